@@ -63,6 +63,7 @@ Keys inside the DCP checkpoint (standard DCP, readable by torch's own tools):
     rng.<rank>.<generator>               per-rank RNG state
 """
 
+import concurrent.futures
 import datetime
 import hashlib
 import json
@@ -106,7 +107,7 @@ def step_dir(root, step):
 _groups = {}
 
 
-def checkpoint_group(timeout=DEFAULT_TIMEOUT):
+def checkpoint_group(timeout=DEFAULT_TIMEOUT, purpose="coordination"):
     """A gloo group, with its own long timeout, for every checkpoint collective.
 
     Training groups keep a short timeout so that a hung rank is noticed quickly.
@@ -120,9 +121,9 @@ def checkpoint_group(timeout=DEFAULT_TIMEOUT):
         timeout = datetime.timedelta(seconds=timeout)
     if not dist.is_initialized():
         raise CheckpointError("ckpt needs torch.distributed to be initialized (init_process_group)")
-    if timeout not in _groups:
-        _groups[timeout] = dist.new_group(backend="gloo", timeout=timeout)
-    return _groups[timeout]
+    if (timeout, purpose) not in _groups:
+        _groups[timeout, purpose] = dist.new_group(backend="gloo", timeout=timeout)
+    return _groups[timeout, purpose]
 
 
 def _all_gather(obj, group, what):
@@ -404,13 +405,17 @@ def _optimizer_summary(model, optimizer):
 # ---------------------------------------------------------------------------
 
 
-def save(root, step, model, optimizer, extra=None, *, keep=None, meta=None, rng=True, timeout=DEFAULT_TIMEOUT):
+def save(root, step, model, optimizer, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
+         timeout=DEFAULT_TIMEOUT):
     """Write a sharded checkpoint of step under root; returns its path once committed.
 
     Call on every rank. extra: {name: object with state_dict()/load_state_dict()}.
     keep: retain the newest `keep` committed checkpoints (None keeps all).
     meta: a JSON-able dict stored in the manifest (e.g. the model configuration).
+    async_save: return a PendingSave as soon as the state is copied to host memory;
+    the files are written in the background and its wait() (on every rank) commits.
     """
+    wait_pending()  # at most one save in flight: a second would race the first for the root
     group = checkpoint_group(timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     root = os.path.abspath(root)
@@ -434,16 +439,6 @@ def save(root, step, model, optimizer, extra=None, *, keep=None, meta=None, rng=
     )
     _check_all(err, group, "save: shared storage check")
 
-    # 3. Write. DCP coordinates on our group (long timeout) and raises any rank's failure on all ranks.
-    t0 = time.monotonic()
-    state = _flatten(_state(model, optimizer, extra, rng))
-    try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
-    except Exception as e:
-        raise CheckpointError(f"save of step {step} into {tmp} failed, nothing was committed: {e}") from e
-    del state
-
-    # 4-6. Checksum, commit, retain.
     manifest = {
         "format": FORMAT,
         "step": step,
@@ -457,10 +452,90 @@ def save(root, step, model, optimizer, extra=None, *, keep=None, meta=None, rng=
         "rng_seed": torch.initial_seed(),
         "meta": meta or {},
     }
-    _commit(tmp, final, manifest, group, keep)
-    if rank == 0:
-        log.info("checkpoint %s committed (%.2f s)", final, time.monotonic() - t0)
-    return final
+    pending = PendingSave(tmp, final, manifest, group, keep)
+
+    # 3. Write. DCP raises any rank's failure on every rank.
+    state = _flatten(_state(model, optimizer, extra, rng))
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
+    if not async_save:
+        pending.start(lambda: dcp.save(state, storage_writer=writer, process_group=group), background=False)
+        return pending.wait()
+    # The background thread runs DCP's collectives on a group of its own: the main thread
+    # keeps using `group` meanwhile, and two threads on one group would interleave and deadlock.
+    background = checkpoint_group(timeout, purpose="async")
+    upload = dcp.async_save(state, storage_writer=writer, process_group=background)
+    # async_save returned: the state is copied to host memory; training may change parameters now.
+    pending.start(upload.result, background=True)
+    _in_flight.append(pending)
+    return pending
+
+
+_in_flight = []
+
+
+def wait_pending():
+    """Commit the save in flight, if any (on every rank). Call before exiting."""
+    while _in_flight:
+        _in_flight[0].wait()
+
+
+class PendingSave:
+    """A save being written. wait() blocks until it is committed, on every rank.
+
+    The write and this rank's checksums run in a background thread; the commit
+    (a collective, then rank 0's rename) runs in the caller's thread, in wait().
+    """
+
+    def __init__(self, tmp, final, manifest, group, keep):
+        self.tmp, self.final, self.manifest, self.group, self.keep = tmp, final, manifest, group, keep
+        self.path = None
+        self.t0 = time.monotonic()
+
+    def start(self, write, background):
+        def job():
+            write()
+            return _describe_own(self.tmp)  # hashing a large shard takes a while: off the training thread too
+
+        if background:
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+            self.job = pool.submit(job)
+            pool.shutdown(wait=False)  # the thread ends when the job does
+        else:
+            self.job = concurrent.futures.Future()
+            try:
+                self.job.set_result(job())
+            except Exception as e:
+                self.job.set_exception(e)
+
+    def done(self):
+        """True when this rank's part is written (no collective; ranks may differ)."""
+        return self.job.done()
+
+    def wait(self):
+        if self.path is None:
+            try:
+                files, err = self.job.result(), None
+            except Exception as e:  # told to every rank below, so none commits or hangs
+                files, err = None, f"{type(e).__name__}: {e}"
+            finally:
+                if self in _in_flight:
+                    _in_flight.remove(self)
+            try:
+                _check_all(err, self.group, f"save of {self.final} (write)")
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}. Nothing was committed; the previous checkpoint is intact") from None
+            _commit(self.tmp, self.final, self.manifest, files, self.group, self.keep)
+            self.path = self.final
+            if dist.get_rank() == 0:
+                log.info("checkpoint %s committed (%.2f s)", self.final, time.monotonic() - self.t0)
+        return self.path
+
+
+def _describe_own(tmp):
+    """Size and sha256 of the files this rank wrote (DCP names rank r's files __r_*)."""
+    rank = dist.get_rank()
+    mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")]
+    return {n: dict(_describe(os.path.join(tmp, n)), rank=rank) for n in mine}
 
 
 def _prepare(root, tmp, final):
@@ -477,12 +552,9 @@ def _prepare(root, tmp, final):
     _fsync_dir(root)
 
 
-def _commit(tmp, final, manifest, group, keep):
+def _commit(tmp, final, manifest, described, group, keep):
+    # 4. Every rank hashed its own files; rank 0 collects them for the manifest.
     rank = dist.get_rank()
-    # 4. Each rank hashes what it wrote (DCP names rank r's files __r_*), spreading the work.
-    mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")]
-    described, err = _capture(lambda: {n: dict(_describe(os.path.join(tmp, n)), rank=rank) for n in mine})
-    _check_all(err, group, f"save: checksum files in {tmp}")
     files = {}
     for part in _all_gather(described, group, "save: gather checksums"):
         files.update(part)

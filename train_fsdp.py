@@ -44,6 +44,7 @@ def get_args(argv=None):
     g.add_argument("--keep", type=int, default=3, help="keep the newest K committed checkpoints")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
     g.add_argument("--ckpt-timeout", type=float, default=3600, help="checkpoint collectives timeout, seconds")
+    g.add_argument("--async-save", action="store_true", help="write periodic checkpoints in the background")
     g.add_argument("--init-from", default=None, help="start from consolidated safetensors (file or directory)")
     g = p.add_argument_group("model")
     g.add_argument("--vocab-size", type=int, default=256, help="tokens; 256 covers --data bytes")
@@ -300,8 +301,12 @@ def main(argv=None):
 
 def train(args, device, rank, world):
     if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} is not divisible by the world size {world}: "
-                         f"use a multiple of {world} (the global batch is split evenly over ranks)")
+        # Before any checkpoint is read or step taken. On a resume, keeping --batch-size and changing the
+        # number of ranks continues the same run; changing --batch-size changes the rest of it.
+        fits = [str(n) for n in range(1, args.batch_size + 1) if args.batch_size % n == 0]
+        raise SystemExit(f"--batch-size {args.batch_size} is not divisible by the world size {world} (the global "
+                         f"batch is split evenly over ranks): run on {', '.join(fits[:-1])} or {fits[-1]} ranks, "
+                         f"or use a --batch-size that is a multiple of {world}")
     say = print if rank == 0 else (lambda *a, **k: None)
     corpus = None
     if args.data:
@@ -328,13 +333,21 @@ def train(args, device, rank, world):
     stop = {"flag": 0.0}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=1.0))
 
-    def checkpoint():
-        t0 = time.time()
-        path = ckpt.save(args.ckpt_dir, state.step, model, opt, extra, keep=args.keep,
-                         meta={"model_config": hf_config(args)}, timeout=args.ckpt_timeout)
+    def report(path, t0):
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
         say(f"checkpoint {path} | {size / 1e6:.1f} MB | {time.time() - t0:.2f} s")
 
+    def checkpoint(background):
+        t0 = time.time()
+        out = ckpt.save(args.ckpt_dir, state.step, model, opt, extra, keep=args.keep, async_save=background,
+                        meta={"model_config": hf_config(args)}, timeout=args.ckpt_timeout)
+        if not background:
+            report(out, t0)
+            return None
+        say(f"checkpoint of step {state.step} staged, writing in the background ({time.time() - t0:.2f} s blocked)")
+        return out, t0
+
+    in_flight = None  # (PendingSave, start time) of an --async-save checkpoint
     log = open(args.log_file, "a") if (args.log_file and rank == 0) else contextlib.nullcontext()
     with log:
         while state.step < args.steps:
@@ -349,8 +362,10 @@ def train(args, device, rank, world):
             opt.zero_grad(set_to_none=True)
             state.step += 1
             state.samples += args.batch_size
-            # One all-reduce carries the loss for logging and the preemption flag.
-            stats = torch.stack([loss.detach().float(), torch.tensor(stop["flag"], device=device)])
+            # One all-reduce carries the loss for logging, the preemption flag and how many
+            # ranks finished writing an in-flight checkpoint (commit only when all have).
+            written = 1.0 if in_flight is None or in_flight[0].done() else 0.0
+            stats = torch.tensor([loss.item(), stop["flag"], written], device=device)
             dist.all_reduce(stats)
             mean_loss, preempted = stats[0].item() / world, stats[1].item() > 0
             tok_s = args.batch_size * args.seq_len / (time.time() - t0)
@@ -358,9 +373,14 @@ def train(args, device, rank, world):
             if args.log_file and rank == 0:
                 log.write(json.dumps({"step": state.step, "loss": mean_loss, "lr": lr, "samples": state.samples}) + "\n")
                 log.flush()
+            if in_flight and stats[2].item() == world:
+                report(in_flight[0].wait(), in_flight[1])
+                in_flight = None
             done = state.step in (args.steps, args.stop_after) or preempted
-            if done or (args.save_every and state.step % args.save_every == 0):
-                checkpoint()
+            if done:  # the last save is synchronous: it first commits any save in flight
+                checkpoint(background=False)
+            elif args.save_every and state.step % args.save_every == 0:
+                in_flight = checkpoint(background=args.async_save)
             if preempted:
                 say("preempted (SIGTERM on some rank): checkpoint saved, exiting")
             if done:
