@@ -305,7 +305,7 @@ def train(args, device, rank, world):
         # number of ranks continues the same run; changing --batch-size changes the rest of it.
         fits = [str(n) for n in range(1, args.batch_size + 1) if args.batch_size % n == 0]
         raise SystemExit(f"--batch-size {args.batch_size} is not divisible by the world size {world} (the global "
-                         f"batch is split evenly over ranks): run on {', '.join(fits[:-1])} or {fits[-1]} ranks, "
+                         f"batch is split evenly over ranks): run on a number of ranks that divides it ({', '.join(fits)}), "
                          f"or use a --batch-size that is a multiple of {world}")
     say = print if rank == 0 else (lambda *a, **k: None)
     corpus = None
@@ -316,6 +316,7 @@ def train(args, device, rank, world):
             raise SystemExit(f"--data needs more than {args.seq_len + 1} bytes and --vocab-size >= 256")
 
     ckpt_group = ckpt.checkpoint_group(args.ckpt_timeout)  # created up front, on every rank
+    ckpt.check_root(args.ckpt_dir, timeout=args.ckpt_timeout)  # a bad --ckpt-dir fails now, not at the first save
     model = build_model(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
