@@ -13,7 +13,9 @@ import shutil
 
 import pytest
 
-from tests.harness import SMALL, max_abs_diff, read_log, torchrun
+from tests.harness import REPO, SMALL, max_abs_diff, read_log, torchrun
+
+NAIVE = os.path.join(REPO, "tests", "naive_resume.py")
 
 STEPS = 16
 COMMON = SMALL + ["--steps", str(STEPS), "--save-every", "4", "--dropout", "0.1", "--seed", "3"]
@@ -54,51 +56,14 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
         assert log[s]["samples"] == reference[s]["samples"], f"step {s}: data position differs"
 
 
-# A resume as the field does it wrong. The wrapper patches ckpt.load from outside
-# the shipped files, then runs train_fsdp.py unchanged.
-NAIVE = '''
-import runpy, sys
-sys.path.insert(0, {repo!r})
-import ckpt
-real_load = ckpt.load
-
-def naive_load(path, model, optimizer, extra=None, **kw):
-    step = real_load(path, model, optimizer, extra, **kw)
-    if {mode!r} == "dropped":
-        optimizer.state.clear()  # a loader that restores the weights but not the optimizer
-    else:
-        # Optimizer.load_state_dict matches state by position: register same-shaped
-        # parameters in another order (e.g. q_proj/k_proj/v_proj/o_proj) and the
-        # moments land silently on the wrong tensors.
-        sd = optimizer.state_dict()
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        by_shape = {{}}
-        for i, p in enumerate(params):
-            by_shape.setdefault(tuple(p.shape), []).append(i)
-        perm = {{}}
-        for idx in by_shape.values():
-            perm.update(zip(idx, reversed(idx)))
-        sd["state"] = {{perm[i]: s for i, s in sd["state"].items()}}
-        optimizer.load_state_dict(sd)
-    return step
-
-ckpt.load = naive_load
-sys.argv = [{train!r}] + sys.argv[1:]
-runpy.run_path({train!r}, run_name="__main__")
-'''
-
-
 @pytest.mark.parametrize("mode", ["dropped", "by_position"])
 def test_naive_resume_is_caught(reference, interrupted, tmp_path, mode):
-    """Negative control: the same comparison flags a resume that restores the optimizer wrongly."""
-    from tests.harness import REPO, TRAIN
-
+    """Negative control: the same comparison flags a resume that restores the optimizer wrongly
+    (tests/naive_resume.py: state dropped, or matched by position)."""
     d = tmp_path
     shutil.copytree(interrupted, d, dirs_exist_ok=True)
-    wrapper = d / "naive.py"
-    wrapper.write_text(NAIVE.format(repo=REPO, train=TRAIN, mode=mode))
     torchrun(COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--resume"],
-             script=str(wrapper))
+             script=NAIVE, env=dict(os.environ, NAIVE_MODE=mode))
     log = read_log(d / "log.jsonl")
     after = {s: log[s] for s in log if s > 6}
     dloss = max_abs_diff(reference, after)
