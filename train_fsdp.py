@@ -386,6 +386,9 @@ def train(args, device, rank, world):
                 say("preempted (SIGTERM on some rank): checkpoint saved, exiting")
             if done:
                 break
+    # Rank 0 may still be deleting old checkpoints (retention): no rank tears down the process
+    # groups under it.
+    dist.barrier(group=ckpt_group)
     return 0
 
 

@@ -1,0 +1,219 @@
+"""Multi-node: run_multinode.sh and torchrun's c10d rendezvous, tested as two "nodes" on one machine.
+
+Each node is its own run_multinode.sh process (NNODES=2, NODE_RANK=0/1) meeting at 127.0.0.1,
+as they would over the network. Guards against:
+  - a multi-node resume that is not the run it continues (wrong rank-to-shard mapping, data
+    position or RNG across nodes): losses must equal a single-node run's bit for bit;
+  - a job that cannot come back on other hardware (another node or process count): the
+    checkpoint must reshard and the losses continue within float tolerance;
+  - a launcher that loses SLURM's settings, mangles arguments, or stays in front of torchrun as
+    a shell that does not pass a SIGTERM on (so no preemption checkpoint);
+  - a checkpoint root on node-local disks, where each node keeps part of the shards and no disk
+    holds a whole checkpoint: the first save must fail on every rank, naming the cause.
+
+    python -m pytest -q -s tests/test_multinode.py
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.harness import REPO, SMALL, read_log, torchrun
+
+SCRIPT = os.path.join(REPO, "run_multinode.sh")
+STEPS = 12
+# --batch-size 12 splits over 2 and over 3 ranks; --dropout 0 because the RNG is reseeded, not
+# restored, when the world size changes. Short collective timeouts: a lost node fails in a minute.
+COMMON = SMALL + ["--batch-size", "12", "--steps", str(STEPS), "--save-every", "4", "--dropout", "0",
+                  "--seed", "5", "--timeout", "60", "--ckpt-timeout", "60"]
+TIMEOUT = 150  # seconds for one launch of all nodes, start-up included
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_nodes(args, out_dir, nnodes=2, nproc=1, wrap=None, extra_env=None):
+    """Start one run_multinode.sh per node, wait for all; returns [(exit code, output)] by NODE_RANK.
+
+    Each node runs in its own session and is killed with its whole process group (torchrun and
+    its ranks) when this returns, whether it succeeded, failed or timed out."""
+    port, procs = free_port(), []
+    try:
+        for i in range(nnodes):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+            env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable, NNODES=str(nnodes), NPROC_PER_NODE=str(nproc),
+                       NODE_RANK=str(i), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_ID=f"test-{port}")
+            env.update((extra_env or {}).get(i, {}))
+            out = open(os.path.join(out_dir, f"node{i}-port{port}.txt"), "w+")
+            cmd = [*(wrap or {}).get(i, []), SCRIPT, *args]
+            procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                           start_new_session=True), out))
+        deadline = time.monotonic() + TIMEOUT
+        for p, _ in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"nodes timed out after {TIMEOUT}s:\n" + tails(procs)) from None
+        return [(p.returncode, read(out)) for p, out in procs]
+    finally:
+        for p, out in procs:
+            kill_group(p.pid)  # the group may outlive torchrun if ranks linger
+            p.wait()
+            out.close()
+
+
+def kill_group(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def read(f):
+    f.flush()
+    f.seek(0)
+    return f.read()
+
+
+def tails(procs):
+    return "\n".join(f"--- node {i}:\n{read(out)[-3000:]}" for i, (_, out) in enumerate(procs))
+
+
+def check_ok(results):
+    for i, (code, out) in enumerate(results):
+        assert code == 0, f"node {i} exited {code}:\n{out[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run on one node: 12 steps, 2 ranks, the usual --standalone launch."""
+    d = tmp_path_factory.mktemp("reference")
+    torchrun(COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl")])
+    log = read_log(d / "log.jsonl")
+    assert sorted(log) == list(range(1, STEPS + 1))
+    return log
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two nodes x 1 rank: steps 1-6, stopped; resumed on two nodes for steps 7-9, stopped again."""
+    d = tmp_path_factory.mktemp("two_nodes")
+    args = COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl")]
+    check_ok(launch_nodes(args + ["--stop-after", "6"], d))
+    check_ok(launch_nodes(args + ["--resume", "--stop-after", "9"], d))
+    return d
+
+
+def test_two_node_resume_is_bit_exact(reference, two_nodes):
+    """Field failure: a job split over nodes resumes with shards, data position or RNG on the wrong
+    rank. Two nodes x 1 rank are the same world as one node x 2 ranks: losses must be equal."""
+    log = read_log(two_nodes / "log.jsonl")
+    assert sorted(log) == list(range(1, 10)), f"logged steps {sorted(log)}"
+    dloss = max(abs(log[s]["loss"] - reference[s]["loss"]) for s in log)
+    print(f"\ntwo nodes, stopped at 6, resumed to 9: max |dloss| vs one node = {dloss:.3e} over {len(log)} steps")
+    for s in log:
+        assert log[s]["loss"] == reference[s]["loss"], f"step {s}: loss {log[s]['loss']!r} != {reference[s]['loss']!r}"
+        assert log[s]["lr"] == reference[s]["lr"], f"step {s}: lr differs"
+        assert log[s]["samples"] == reference[s]["samples"], f"step {s}: data position differs"
+
+
+def test_resume_two_nodes_on_one_node_with_three_ranks(reference, two_nodes, tmp_path):
+    """Field failure: a job requeued onto other hardware cannot use its checkpoint. The 2-rank
+    checkpoint of step 9 continues on 1 node x 3 ranks (resharded), close to the uninterrupted run."""
+    shutil.copytree(two_nodes, tmp_path, dirs_exist_ok=True)
+    args = COMMON + ["--ckpt-dir", str(tmp_path / "ckpt"), "--log-file", str(tmp_path / "log.jsonl"), "--resume"]
+    [(code, out)] = launch_nodes(args, tmp_path, nnodes=1, nproc=3)
+    assert code == 0, out[-6000:]
+    assert "resumed from step 9" in out and "world size changed 2 -> 3" in out, out[-3000:]
+    log = read_log(tmp_path / "log.jsonl")
+    assert sorted(log) == list(range(1, STEPS + 1))
+    after = range(10, STEPS + 1)
+    dloss = max(abs(log[s]["loss"] - reference[s]["loss"]) for s in after)
+    rel = max(abs(log[s]["loss"] - reference[s]["loss"]) / abs(reference[s]["loss"]) for s in after)
+    print(f"\n2 nodes x 1 rank -> 1 node x 3 ranks at step 9: steps 10-{STEPS} max |dloss| = {dloss:.3e}, "
+          f"max rel diff = {rel:.3e}")
+    assert rel < 1e-4, f"losses after the reshard differ by {rel:.3e} (relative)"
+    for s in after:
+        assert log[s]["lr"] == reference[s]["lr"] and log[s]["samples"] == reference[s]["samples"], f"step {s}"
+
+
+# Node 1 gets a private disk at the checkpoint root. Preferred: a private mount namespace with
+# a tmpfs over the root (a real node-local filesystem at the same path). Where that is not
+# allowed, a sitecustomize on node 1 hides the root's contents from os.path.isdir instead.
+MOUNT = 'mount -t tmpfs tmpfs "$0" && exec "$@"'
+HIDE = '''import os, os.path
+_hidden, _isdir = os.environ["HIDE_UNDER"] + os.sep, os.path.isdir
+os.path.isdir = lambda p: not os.path.abspath(p).startswith(_hidden) and _isdir(p)
+'''
+
+
+def private_disk(root, scratch):
+    """(wrap, extra_env, how) that give node 1 its own view of root."""
+    for unshare in (["unshare", "-m"], ["unshare", "-rm"]):  # as root; else via a user namespace
+        if shutil.which("unshare") and subprocess.run(
+            [*unshare, "sh", "-c", MOUNT, root, "true"], capture_output=True, timeout=30
+        ).returncode == 0:
+            return {1: [*unshare, "sh", "-c", MOUNT, root]}, {}, f"{' '.join(unshare)} + tmpfs"
+    os.makedirs(scratch / "site")
+    (scratch / "site" / "sitecustomize.py").write_text(HIDE)
+    pythonpath = os.pathsep.join(filter(None, [str(scratch / "site"), os.environ.get("PYTHONPATH")]))
+    return {}, {1: {"HIDE_UNDER": root, "PYTHONPATH": pythonpath}}, "no mount namespace: os.path.isdir patched on node 1"
+
+
+def test_node_local_checkpoint_root_fails_on_every_rank(tmp_path):
+    """Field failure: --ckpt-dir on node-local disks (/tmp, local NVMe). Each node would keep its
+    own ranks' shards and node 0 would commit a checkpoint that lacks the others. Node 1 here has
+    a private filesystem at the same path; the first save must fail on every rank, saying why."""
+    root = str(tmp_path / "ckpt")
+    os.makedirs(root)  # the tmpfs needs an existing mount point
+    wrap, extra_env, how = private_disk(root, tmp_path)
+    args = COMMON + ["--ckpt-dir", root, "--save-every", "1"]
+    t0 = time.monotonic()
+    results = launch_nodes(args, tmp_path, wrap=wrap, extra_env=extra_env)
+    took = time.monotonic() - t0
+    # One rank per node, so "every node's output has the error" is "every rank raised it".
+    failed = [i for i, (_, out) in enumerate(results) if "CheckpointError: save: shared storage check failed" in out]
+    print(f"\nnode-local root ({how}): exit codes {[c for c, _ in results]}, CheckpointError on nodes {failed}, "
+          f"{took:.1f} s for both nodes")
+    for i, (code, out) in enumerate(results):
+        assert code != 0, f"node {i} succeeded with a node-local checkpoint root:\n{out[-3000:]}"
+        assert "must be on storage shared by all ranks" in out and "step-00000001" in out, f"node {i}:\n{out[-6000:]}"
+    assert failed == [0, 1], "every rank must raise the shared-storage error"
+    assert not [n for n in os.listdir(root) if n.startswith("step-")], "nothing may be committed"
+
+
+def test_slurm_settings_arguments_and_exec(tmp_path):
+    """Field failure: a launcher that drops SLURM's node list or job id, splits an argument, or
+    stays alive as a shell in front of torchrun (a SIGTERM sent to the launcher's pid, as kill or
+    a container runtime sends it, then kills the shell and never reaches torchrun or the ranks).
+    Stand-ins for python and scontrol record what the script runs, without starting torch."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\nprintf "gpu-a17\\ngpu-a18\\ngpu-b02\\n"\n')
+    (bin_dir / "python").write_text('#!/bin/sh\necho "pid $$"\nprintf "%s\\n" "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "RDZV_ID")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHON=str(bin_dir / "python"), SLURM_JOB_ID="7342",
+               SLURM_NNODES="3", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu-a[17-18],gpu-b02", SLURM_GPUS_ON_NODE="4")
+    args = ["--ckpt-dir", "/shared/with space", "--resume"]
+    # From another directory, so the script must find train_fsdp.py next to itself, not in the cwd.
+    proc = subprocess.Popen([SCRIPT, *args], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=30)
+    lines = out.splitlines()
+    print(f"\nunder SLURM: {' '.join(lines[1:])}")
+    assert proc.returncode == 0
+    assert lines[0] == f"pid {proc.pid}", "torchrun must replace the script's shell (exec) to receive SIGTERM"
+    assert lines[1:] == ["-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "4",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-a17:29842", "--rdzv-id", "7342",
+                         "--rdzv-conf", "is_host=0", os.path.join(os.path.realpath(REPO), "train_fsdp.py"), *args]
