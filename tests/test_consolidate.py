@@ -1,0 +1,337 @@
+"""consolidate.py: a sharded checkpoint streamed into Hugging Face safetensors, checked by independent paths.
+
+Guards against the field's export failures (FAILURE_MODES.md, "dtype and export" and "Partial checkpoints"):
+weights reassembled wrongly from shards, optimizer state leaking into the export, a bf16 export that is not
+the plain cast, tied weights refused by safetensors, an output that our own --init-from or transformers
+cannot load, and a half-written output directory after bad input or a crash.
+
+Reference values never come from consolidate.py's own code: they come from torch's
+dcp_to_torch_save (which loads the whole checkpoint, with its own planner and reader) and, for losses, from
+train_fsdp.LlamaLM evaluated in this process.
+
+    python -m pytest -q -s tests/test_consolidate.py
+"""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import ckpt
+import consolidate
+import train_fsdp
+from tests.harness import SMALL, read_log, run, torchrun
+
+# --dropout 0: the first loss of a run is then a plain function of (weights, batch at data position 0).
+ARGS = SMALL + ["--seed", "11", "--dropout", "0"]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-rank FSDP2 run that saves at steps 3 and 6: the root's newest checkpoint is step 6."""
+    d = tmp_path_factory.mktemp("trained")
+    torchrun(ARGS + ["--steps", str(STEPS), "--save-every", "3", "--ckpt-dir", str(d / "ckpt"),
+                     "--log-file", str(d / "log.jsonl")])
+    assert ckpt.committed_steps(d / "ckpt") == [3, STEPS]
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(trained, tmp_path_factory):
+    """{HF name: full fp32 tensor} by torch's own converter, which shares no code with consolidate.py."""
+    path = tmp_path_factory.mktemp("reference") / "full.pt"
+    dcp_to_torch_save(ckpt.step_dir(trained / "ckpt", STEPS), path)
+    full = torch.load(path, weights_only=False)  # our own file, written a line above; holds non-tensor items too
+    return {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
+
+
+@pytest.fixture(scope="module")
+def fp32_out(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp32") / "hf"
+    result = consolidate.consolidate(trained / "ckpt", out, quiet=True)
+    assert result["checkpoint"].endswith(f"step-{STEPS:08d}"), result["checkpoint"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_out(trained, tmp_path_factory):
+    """The command line (main(), in this process), with a shard size that splits SMALL's 0.5 MB into files."""
+    out = tmp_path_factory.mktemp("sharded") / "hf"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = consolidate.main([str(ckpt.step_dir(trained / "ckpt", STEPS)), str(out), "--max-shard-size", "100KB"])
+    assert code == 0, err.getvalue()
+    return out, err.getvalue()
+
+
+def read_all(out):
+    """{name: tensor} of every .safetensors file in out, opened with the safetensors library alone."""
+    tensors = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(out, name), framework="pt") as f:
+                for k in f.keys():
+                    assert k not in tensors, f"{k} is in two files"
+                    tensors[k] = f.get_tensor(k)
+    return tensors
+
+
+def count_differing(got, want):
+    """(tensors that differ, elements that differ), comparing bit patterns (so -0.0 != 0.0, NaN == NaN)."""
+    bits = {2: torch.int16, 4: torch.int32}
+    bad_t = bad_e = 0
+    for k, w in want.items():
+        g = got[k]
+        assert g.dtype == w.dtype and g.shape == w.shape, f"{k}: {g.dtype} {tuple(g.shape)} vs {w.dtype} {tuple(w.shape)}"
+        n = (g.view(bits[g.element_size()]) != w.view(bits[w.element_size()])).sum().item()
+        bad_t, bad_e = bad_t + (n > 0), bad_e + n
+    return bad_t, bad_e
+
+
+def test_fp32_bit_exact_and_casts(trained, reference, fp32_out, tmp_path):
+    """Every exported tensor is the full parameter, bit for bit; bf16/fp16 are exactly its cast; no optimizer keys."""
+    got = read_all(fp32_out)
+    n_dcp = len(ckpt.read_metadata(ckpt.step_dir(trained / "ckpt", STEPS)).state_dict_metadata)
+    assert sorted(got) == sorted(reference), f"names differ: {sorted(set(got) ^ set(reference))}"
+    assert "lm_head.weight" in got and "model.embed_tokens.weight" in got
+    assert not [k for k in got if k.startswith(("optim", "extra", "rng", "model.model."))]
+    bad_t, bad_e = count_differing(got, reference)
+    elements = sum(t.numel() for t in got.values())
+    config = json.load(open(fp32_out / "config.json"))
+
+    casts = {}
+    for flag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        out = tmp_path / flag
+        assert consolidate.main([str(trained / "ckpt"), str(out), "--dtype", flag, "--quiet"]) == 0
+        casts[flag] = (count_differing(read_all(out), {k: v.to(dtype) for k, v in reference.items()}),
+                       json.load(open(out / "config.json"))["torch_dtype"], os.path.getsize(out / "model.safetensors"))
+    print(f"\nfp32: {len(got)} tensors of {n_dcp} DCP keys, {elements} elements, {bad_e} differ ({bad_t} tensors), "
+          f"{os.path.getsize(fp32_out / 'model.safetensors')} bytes; "
+          + "; ".join(f"{k}: {v[0][1]} elements differ from the cast, {v[2]} bytes" for k, v in casts.items()))
+    assert (bad_t, bad_e) == (0, 0)
+    assert casts["bf16"][:2] == ((0, 0), "bfloat16") and casts["fp16"][:2] == ((0, 0), "float16")
+    assert config["torch_dtype"] == "float32"
+    assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2
+    assert not os.path.exists(fp32_out / consolidate.INDEX)  # one file: no index, as Hugging Face does
+
+
+def test_sharded_output(reference, sharded_out):
+    """--max-shard-size splits into model-0000i-of-0000N files whose index names every tensor's file."""
+    out, log = sharded_out
+    index = json.load(open(out / consolidate.INDEX))
+    files = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    sizes = {}
+    for name in files:
+        with safe_open(str(out / name), framework="pt") as f:
+            keys = list(f.keys())
+            sizes[name] = (len(keys), sum(f.get_tensor(k).nbytes for k in keys))
+        assert sorted(keys) == sorted(k for k, v in index["weight_map"].items() if v == name)
+    got = read_all(out)
+    bad_t, bad_e = count_differing(got, reference)
+    total = sum(t.nbytes for t in reference.values())
+    print(f"\n{len(files)} files, data bytes per file {[s for _, s in sizes.values()]}, "
+          f"index total_size {index['metadata']['total_size']} (tensors hold {total}); {bad_e} elements differ")
+    print("stderr tail:", log.strip().splitlines()[-1])
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(index["weight_map"]) == sorted(reference) and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == total
+    assert all(nbytes <= 100_000 or n == 1 for n, nbytes in sizes.values())  # only a lone tensor may exceed it
+    assert (bad_t, bad_e) == (0, 0)
+    assert "tensors" in log and "MB/s" in log  # progress on stderr
+
+
+def reference_model(reference):
+    args = train_fsdp.get_args(ARGS)
+    model = train_fsdp.LlamaLM(args)
+    model.load_state_dict(reference)  # strict: every name of the model, and no other
+    return args, model.eval()
+
+
+def test_init_from_round_trip(trained, reference, sharded_out, tmp_path):
+    """consolidate -> train_fsdp.py --init-from -> the first loss is the saved model's loss on the same batch.
+
+    An --init-from run starts at data position 0, so its first logged loss is the forward pass of the loaded
+    weights on the batch at position 0 (logged before the optimizer step; --dropout 0 makes it deterministic).
+    The saved model's loss on that batch is computed here, with train_fsdp.LlamaLM in one process and the
+    reference weights, on the same global batch (the two ranks' halves, averaged, are the same mean).
+    Control: the training run's own step-1 loss is that same batch under the seed's random init, the value
+    an --init-from that silently loaded nothing would log; it must be far from the reference.
+    """
+    args, model = reference_model(reference)
+    x, y = train_fsdp.get_batch(args, None, 0, 0, 1, torch.device("cpu"))
+    with torch.no_grad():
+        want = F.cross_entropy(model(x).float().view(-1, args.vocab_size), y.reshape(-1)).item()
+    out, _ = sharded_out
+    torchrun(ARGS + ["--steps", "1", "--save-every", "0", "--init-from", str(out), "--ckpt-dir", str(tmp_path / "ckpt"),
+                     "--log-file", str(tmp_path / "log.jsonl")])
+    got = read_log(tmp_path / "log.jsonl")[1]["loss"]
+    untrained = read_log(trained / "log.jsonl")[1]["loss"]
+    print(f"\nfirst loss after --init-from {got:.7f}, saved model on batch 0 {want:.7f}: |d| = {abs(got - want):.2e}; "
+          f"random init (control) {untrained:.7f}: |d| = {abs(untrained - want):.2e}")
+    assert abs(got - want) <= 1e-5
+    assert abs(untrained - want) > 0.05, "the training run must move the loss for this test to mean anything"
+
+
+def test_transformers_loads_and_matches(reference, fp32_out):
+    """LlamaForCausalLM.from_pretrained(OUT): no missing or unexpected keys, logits equal ours to 1e-4."""
+    transformers = pytest.importorskip("transformers", reason="transformers is optional (not in requirements.txt)")
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(str(fp32_out), output_loading_info=True)
+    args, model = reference_model(reference)
+    x, _ = train_fsdp.get_batch(args, None, 0, 0, 1, torch.device("cpu"))
+    with torch.no_grad():
+        diff = (hf.eval()(x).logits.float() - model(x).float()).abs().max().item()
+    print(f"\ntransformers {transformers.__version__}: loading info {info}; max |dlogits| = {diff:.2e}")
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert diff <= 1e-4
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_tied_weights(tmp_path):
+    """Two names for one tensor (tied embed_tokens / lm_head) are both written, and safetensors reads them.
+
+    safetensors.torch.save_file refuses tensors that share memory ("Some tensors share memory"): the control
+    shows the hazard with the very tensors saved here. The checkpoint is written by dcp.save in this process
+    (world of one) with ckpt's manifest, as ckpt.save would lay it out.
+    """
+    from safetensors.torch import save_file
+
+    w = torch.randn(256, 64)
+    d = tmp_path / "root" / "step-00000001"
+    state = {"model.model.embed_tokens.weight": w, "model.lm_head.weight": w, "model.model.norm.weight": torch.ones(64),
+             "optim.state.lm_head.weight.exp_avg": torch.zeros(256, 64)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(d), no_dist=True)
+    files = {n: ckpt._describe(d / n) for n in os.listdir(d)}
+    ckpt._write_manifest(d, {"format": ckpt.FORMAT, "step": 1, "world_size": 1, "files": files, "meta": {}})
+    with pytest.raises(RuntimeError, match="share memory"):
+        save_file({"model.embed_tokens.weight": w, "lm_head.weight": w}, str(tmp_path / "naive.safetensors"))
+
+    assert consolidate.main([str(tmp_path / "root"), str(tmp_path / "out"), "--quiet"]) == 0
+    got = read_all(tmp_path / "out")
+    same = torch.equal(got["lm_head.weight"], w) and torch.equal(got["model.embed_tokens.weight"], w)
+    print(f"\ntied pair written as {sorted(got)}; both equal the tied tensor: {same}")
+    assert sorted(got) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    assert same
+    assert not os.path.exists(tmp_path / "out" / "config.json")  # no model_config in meta: none invented
+
+
+def leftovers(parent):
+    return sorted(n for n in os.listdir(parent) if ".tmp-" in n or ".old-" in n)
+
+
+def test_bad_input_is_refused_by_name(trained, tmp_path, capsys):
+    """Every bad input is one clear error naming the path, exit code 1, and no OUT (nor temp dirs) created."""
+    src = ckpt.step_dir(trained / "ckpt", STEPS)
+
+    def copy(dest):
+        shutil.copytree(src, dest)
+        return dest
+
+    cases = {}
+    cases["no such path"] = (tmp_path / "nowhere", "does not exist")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("x")
+    cases["not a checkpoint"] = (tmp_path / "foreign", "does not look like a checkpoint root")
+    (tmp_path / "empty").mkdir()
+    cases["empty root"] = (tmp_path / "empty", "no committed checkpoint")
+    tmp_ckpt = copy(tmp_path / "crashed" / ".tmp-step-00000009")  # a crash after the manifest, before the rename
+    cases["uncommitted .tmp- dir"] = (tmp_ckpt, "uncommitted save")
+    cases["root with only a .tmp- dir"] = (tmp_path / "crashed", "no committed checkpoint")
+    os.remove(copy(tmp_path / "nomanifest" / "step-00000006") / "manifest.json")
+    cases["step dir without manifest"] = (tmp_path / "nomanifest" / "step-00000006", "manifest.json is missing")
+    missing = copy(tmp_path / "missing" / "step-00000006")
+    os.remove(missing / "__1_0.distcp")
+    cases["missing shard"] = (missing / "__1_0.distcp", "is missing")
+    corrupt = copy(tmp_path / "corrupt" / "step-00000006")
+    with open(corrupt / "__0_0.distcp", "r+b") as f:
+        f.seek(os.path.getsize(corrupt / "__0_0.distcp") // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    cases["flipped bit"] = (corrupt / "__0_0.distcp", "does not match its checksum")
+
+    outs = tmp_path / "outs"
+    outs.mkdir()
+    for label, (path, why) in cases.items():
+        out = outs / label.replace(" ", "_")
+        arg = str(path.parent if label in ("missing shard", "flipped bit") else path)
+        code = consolidate.main([arg, str(out)])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        with capsys.disabled():
+            print(f"\n{label}: exit {code}: {err}")
+        assert code == 1 and str(path) in err and why in err, err
+        assert not os.path.exists(out) and leftovers(outs) == []
+
+    existing = outs / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    code = consolidate.main([str(src), str(existing)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"\nexisting OUT: exit {code}: {err}")
+    assert code == 1 and str(existing) in err and "--overwrite" in err
+    assert sorted(os.listdir(existing)) == ["keep.txt"]
+
+    inside = trained / "ckpt" / "hf"  # ckpt.py would then refuse the root when training resumes
+    code = consolidate.main([str(trained / "ckpt"), str(inside)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"OUT inside the checkpoint root: exit {code}: {err}")
+    assert code == 1 and str(inside) in err and not os.path.exists(inside) and leftovers(trained / "ckpt") == []
+
+    # From the shell: an exit status and one line, not a traceback.
+    code, log = run([sys.executable, "consolidate.py", str(missing), str(outs / "cli")], check=False, timeout=120)
+    print(f"command line: exit {code}: {log.strip().splitlines()[-1]}")
+    assert code == 1 and "Traceback" not in log and str(missing / "__1_0.distcp") in log
+    assert not os.path.exists(outs / "cli")
+
+
+def test_overwrite_and_crash_leave_no_half_output(trained, tmp_path, monkeypatch):
+    """--overwrite replaces OUT only once the new output is complete; a crash mid-stream leaves nothing.
+
+    The crash is injected into the middle of streaming: the third dcp.load raises, with a read group of
+    one tensor, so the first file is partly written when it happens.
+    """
+    src = ckpt.step_dir(trained / "ckpt", STEPS)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old export")
+
+    real_load = dcp.load
+
+    def crash(dest, **kw):
+        calls = []
+
+        def flaky_load(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:
+                raise OSError("disk went away (injected)")
+            return real_load(*a, **k)
+
+        monkeypatch.setattr(consolidate.dcp, "load", flaky_load)
+        try:
+            with pytest.raises(OSError, match="injected"):
+                consolidate.consolidate(src, dest, quiet=True, **kw)
+        finally:
+            monkeypatch.setattr(consolidate.dcp, "load", real_load)
+
+    monkeypatch.setattr(consolidate, "READ_GROUP", 1)  # one tensor per dcp.load
+    crash(out, overwrite=True)
+    crashed = (sorted(os.listdir(out)), leftovers(tmp_path))
+    crash(tmp_path / "fresh")  # the same crash with no old OUT: none appears
+    fresh = os.path.exists(tmp_path / "fresh")
+
+    result = consolidate.consolidate(src, out, overwrite=True, quiet=True)
+    after = (sorted(os.listdir(out)), leftovers(tmp_path))
+    print(f"\ncrash at dcp.load #3: OUT holds {crashed[0]}, leftovers {crashed[1]}, fresh OUT created: {fresh}; "
+          f"after --overwrite: {after[0]} ({result['tensors']} tensors, {len(result['files'])} file), leftovers {after[1]}")
+    assert crashed == (["keep.txt"], [])
+    assert not fresh
+    assert after == (["config.json", "model.safetensors"], [])
