@@ -31,7 +31,8 @@ Save protocol (save()):
 Load protocol (load()):
   1. Agree on the path, as in save step 1.
   2. Choose. Rank 0 picks the newest committed checkpoint (a step-NNNNNNNN
-     directory holding manifest.json), ignoring and reporting temporary ones.
+     directory; one whose manifest.json is missing is refused in 3, not
+     skipped), ignoring and reporting temporary ones.
   3. Verify files. Every file's size and checksum is compared with the
      manifest, the work spread over ranks; a mismatch names the file and the
      newest older checkpoint.
@@ -188,6 +189,32 @@ def _check_root(root):
             f"{root} does not look like a checkpoint root: it holds {foreign[:5]}; "
             "give a directory that holds only step-NNNNNNNN checkpoints (or a new one)"
         )
+
+
+def check_root(root, timeout=DEFAULT_TIMEOUT):
+    """Fail now, on every rank, if root cannot hold checkpoints. Call once at start-up, on every rank.
+
+    Otherwise a wrong or unwritable root surfaces only at the first save, and the
+    training done until then is lost.
+    """
+    group = checkpoint_group(timeout)
+    root = os.path.abspath(root)
+    _, err = _capture(_probe_root, root) if dist.get_rank() == 0 else (None, None)
+    _check_all(err, group, f"check of the checkpoint root {root}")
+
+
+def _probe_root(root):
+    _check_root(root)
+    try:
+        os.makedirs(root, exist_ok=True)
+        # A directory with our temporary prefix: if we crash here, the next save removes it.
+        probe = os.path.join(root, f"{TMP_PREFIX}probe-{os.getpid()}")
+        os.makedirs(probe, exist_ok=True)
+        with open(os.path.join(probe, "probe"), "wb") as f:
+            f.write(b"ok")
+        shutil.rmtree(probe)
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoints under {root}: {e}") from e
 
 
 def _sha256(path):
@@ -471,6 +498,9 @@ def save(root, step, model, optimizer, extra=None, *, keep=None, meta=None, rng=
 
 
 _in_flight = []
+# DCP reports a failed write (on any rank) as dcp.CheckpointException, a BaseException:
+# `except Exception` lets it escape as a raw DCP error instead of our CheckpointError.
+_WRITE_FAILURES = (Exception, dcp.CheckpointException)
 
 
 def wait_pending():
@@ -504,7 +534,7 @@ class PendingSave:
             self.job = concurrent.futures.Future()
             try:
                 self.job.set_result(job())
-            except Exception as e:
+            except _WRITE_FAILURES as e:
                 self.job.set_exception(e)
 
     def done(self):
@@ -515,7 +545,7 @@ class PendingSave:
         if self.path is None:
             try:
                 files, err = self.job.result(), None
-            except Exception as e:  # told to every rank below, so none commits or hangs
+            except _WRITE_FAILURES as e:  # told to every rank below, so none commits or hangs
                 files, err = None, f"{type(e).__name__}: {e}"
             finally:
                 if self in _in_flight:
@@ -609,8 +639,10 @@ def find_checkpoint(path):
         for name in sorted(os.listdir(path)):
             if name.startswith(TMP_PREFIX):
                 log.warning("ignoring %s: an uncommitted (interrupted or in-progress) save", os.path.join(path, name))
-    steps = committed_steps(path)
-    return step_dir(path, steps[-1]) if steps else None
+    # The rename into step-NNNNNNNN is the commit, so the newest such directory is chosen even if its
+    # manifest is gone: load() then refuses it by name, where skipping it would silently go back a step.
+    named = sorted(int(m.group(1)) for m in map(STEP_RE.match, os.listdir(path)) if m) if os.path.isdir(path) else []
+    return step_dir(path, named[-1]) if named else None
 
 
 def _older(ckpt_dir):
@@ -703,7 +735,7 @@ def load(path, model, optimizer, extra=None, *, rng=True, verify=True, timeout=D
         obj.load_state_dict(nested["extra"][name])
     if rng and "rng" in nested:
         _set_rng_state(nested["rng"][str(rank)])
-    elif rng:
+    elif rng and manifest["rng"]:
         # RNG streams belong to ranks; with another world size there is no right mapping.
         seed = int(hashlib.sha256(f"{manifest['rng_seed']}-{manifest['step']}-{rank}".encode()).hexdigest()[:15], 16)
         torch.manual_seed(seed)
