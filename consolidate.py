@@ -269,7 +269,7 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
         config = manifest.get("meta", {}).get("model_config")
         if config:  # train_fsdp.py stores the Hugging Face config of the model there
             write_json(os.path.join(tmp, "config.json"), dict(config, torch_dtype=str(DTYPES[dtype]).removeprefix("torch.")))
-        fsync_dir(tmp)
+        ckpt.fsync_dir(tmp)
         commit(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written output behind, even on Ctrl-C
@@ -288,14 +288,6 @@ def write_json(path, obj):
         os.fsync(f.fileno())
 
 
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(tmp, out, overwrite):
     """Rename the finished tmp directory to out; with overwrite, the old out goes only now."""
     old = None
@@ -311,7 +303,7 @@ def commit(tmp, out, overwrite):
             os.rename(os.path.join(old, "out"), out)  # put the old output back
             os.rmdir(old)
         raise
-    fsync_dir(os.path.dirname(out))  # the rename survives a power cut only once the parent is flushed
+    ckpt.fsync_dir(os.path.dirname(out))  # the rename survives a power cut only once the parent is flushed
     if old:
         shutil.rmtree(old)
 

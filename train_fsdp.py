@@ -216,15 +216,24 @@ def get_batch(args, corpus, samples_done, rank, world, device):
 
 
 class TrainState:
-    """Step and data position (global samples consumed): what the loop needs to continue."""
+    """Step and data position (global samples consumed): what the loop needs to continue.
 
-    def __init__(self):
+    Also records what defines the data stream: resuming with another seed, global batch or
+    sequence length would silently train on different samples than the interrupted run.
+    """
+
+    def __init__(self, args=None):
         self.step, self.samples = 0, 0
+        self.stream = {k: getattr(args, k) for k in ("seed", "batch_size", "seq_len")} if args else {}
 
     def state_dict(self):
-        return {"step": self.step, "samples": self.samples}
+        return {"step": self.step, "samples": self.samples, **self.stream}
 
     def load_state_dict(self, sd):
+        changed = [f"--{k.replace('_', '-')} {sd[k]} -> {v}" for k, v in self.stream.items() if sd.get(k, v) != v]
+        if changed:
+            raise ValueError(f"this resume changes the data stream ({', '.join(changed)}): "
+                             "pass the values the checkpoint was trained with")
         self.step, self.samples = int(sd["step"]), int(sd["samples"])
 
 
@@ -320,7 +329,7 @@ def train(args, device, rank, world):
     model = build_model(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
-    state = TrainState()
+    state = TrainState(args)
     extra = {"scheduler": sched, "train": state}
 
     if args.resume:
