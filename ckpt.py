@@ -79,6 +79,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -498,9 +499,22 @@ def save(root, step, model, optimizer, extra=None, *, keep=None, meta=None, rng=
     # The background thread runs DCP's collectives on a group of its own: the main thread
     # keeps using `group` meanwhile, and two threads on one group would interleave and deadlock.
     background = checkpoint_group(timeout, purpose="async")
-    upload = dcp.async_save(state, storage_writer=writer, process_group=background)
+    # Staging is the part of an async save that blocks training. A FileSystemWriter would stage
+    # itself: deep-copy every DTensor, then copy it again (bench_ckpt.py, 600 MB per rank on
+    # CPU: 0.8-3.4 s). DCP's generic stager copies each tensor once (0.2-0.5 s). It is ours, so
+    # we close it once the write is done.
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    upload = dcp.async_save(state, storage_writer=writer, process_group=background, async_stager=stager)
     # async_save returned: the state is copied to host memory; training may change parameters now.
-    pending.start(upload.result, background=True)
+
+    def write():
+        try:
+            return upload.result()
+        finally:
+            stager.close()
+
+    pending.start(write, background=True)
     _in_flight.append(pending)
     return pending
 
