@@ -323,10 +323,16 @@ def read_metadata(ckpt_dir):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose .metadata is read through the restricted unpickler."""
+    """FileSystemReader whose .metadata is read through the restricted unpickler.
+
+    metadata: what read_metadata() already returned for this checkpoint, to skip a second read."""
+
+    def __init__(self, path, metadata=None):
+        super().__init__(path)
+        self.safe_metadata = metadata
 
     def read_metadata(self, *args, **kwargs):
-        metadata = read_metadata(str(self.checkpoint_id))
+        metadata = self.safe_metadata or read_metadata(str(self.checkpoint_id))
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -744,11 +750,13 @@ def load(path, model, optimizer, extra=None, *, rng=True, verify=True, timeout=D
     same_world = manifest["world_size"] == world
     nested = _state(model, optimizer, extra, rng and same_world and manifest["rng"])
     state = _flatten(nested)
-    _check_keys(read_metadata(ckpt_dir), state, ckpt_dir)
+    metadata = read_metadata(ckpt_dir)
+    _check_keys(metadata, state, ckpt_dir)
 
     # 5. Read into the live shards, then map by name onto parameters and optimizer.
     try:
-        dcp.load(state, storage_reader=SafeReader(ckpt_dir), planner=SafeLoadPlanner(), process_group=group)
+        dcp.load(state, storage_reader=SafeReader(ckpt_dir, metadata), planner=SafeLoadPlanner(),
+                 process_group=group)
     except _DCP_FAILURES as e:  # DCP raises every rank's failure on every rank
         raise CheckpointError(f"reading {ckpt_dir} failed: {e}") from e
     _unflatten_into(nested, state)
