@@ -27,6 +27,9 @@ Save protocol (save()):
   5. Commit. Rank 0 renames the temporary directory to root/step-NNNNNNNN. A
      rename within one directory is atomic: readers see all of it or nothing.
   6. Retain. Rank 0 deletes committed checkpoints beyond the newest `keep`.
+  With async_save=True, save() returns after step 3 has copied the state to host
+  memory; the writing and hashing finish in a background thread, and steps 4-6
+  run in PendingSave.wait(), which every rank calls (the next save calls it too).
 
 Load protocol (load()):
   1. Agree on the path, as in save step 1.
