@@ -299,6 +299,7 @@ result["failed"] = {{"errors": errors, "committed": ckpt.committed_steps(os.path
                     "listing": sorted(os.listdir(os.path.join(root, "staged")))}}
 if rank == 0:
     print("RESULT " + json.dumps(result), flush=True)
+dist.barrier()  # leave together: a rank tearing down gloo under a busy peer can abort it
 dist.destroy_process_group()
 '''
 

@@ -437,6 +437,7 @@ record("evil_bytes", lambda: ckpt.load(evil_root, model, opt, {"evil": Holder({"
 # Control: stock DCP reads the same item with torch.load(weights_only=False), and the payload runs.
 ckpt.save(evil_root, 2, model, opt, {"evil": Holder({"payload": Evil(f"{canaries}/stock-dcp-canary")})})
 dcp.load({"extra.evil.payload": 0}, checkpoint_id=ckpt.step_dir(evil_root, 2))
+dist.barrier()  # leave together: a rank tearing down gloo under a busy peer can abort it
 dist.destroy_process_group()
 '''
 
