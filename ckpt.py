@@ -1,75 +1,81 @@
 """Correct sharded checkpointing for FSDP2 training, in plain public torch APIs.
 
     import ckpt
-    step = ckpt.load("checkpoints", model, optimizer, extra={"sched": scheduler, "data": loader_state})
+    ckpt.check_root("checkpoints")                    # at start-up: claims the root, fails early if it is wrong
+    step = ckpt.load("checkpoints", model, optimizer, extra={"sched": scheduler, "data": loader}) or 0
     ...
-    ckpt.save("checkpoints", step, model, optimizer, extra={"sched": scheduler, "data": loader_state}, keep=3)
+    ckpt.save("checkpoints", step, model, optimizer, extra={"sched": scheduler, "data": loader}, keep=3)
+    ...
+    ckpt.close()                                       # before dist.destroy_process_group()
 
-Both functions are called on every rank. Model and optimizer go through
+Every function is called on every rank. Model and optimizer go through
 torch.distributed.checkpoint.state_dict, so optimizer state is keyed by parameter
 name (never by position), and are written with Distributed Checkpoint (DCP): each
-rank writes only its own shards, nothing is gathered.
+rank writes only its own shards, nothing is gathered. What save() commits, load()
+restores exactly, or save() refuses it before writing, naming the key.
 
 Save protocol (save()):
-  1. Agree. Every rank sends (root, step) to every other over the checkpoint
-     process group; a rank with a different root or step fails all ranks, before
-     anything is written. A rank that never calls save() makes the others fail
-     when the checkpoint timeout expires.
-  2. Prepare. Rank 0 removes stale temporary directories left by crashed saves
-     and creates root/.tmp-step-NNNNNNNN; every rank checks that it can see it
-     (a node-local root would scatter the shards over several disks).
-  3. Write. dcp.save() writes each rank's shards into the temporary directory;
-     DCP writes .metadata last, on rank 0, after every rank reported success.
-     Any rank's failure is raised on every rank.
-  4. Checksum. Each rank hashes the files it wrote; rank 0 gathers sizes and
-     checksums into manifest.json, with the step, world size, torch version and
-     a fingerprint of the parameters, and fsyncs it.
-  5. Commit. Rank 0 renames the temporary directory to root/step-NNNNNNNN. A
-     rename within one directory is atomic: readers see all of it or nothing.
-  6. Retain. Rank 0 deletes committed checkpoints beyond the newest `keep`.
-  With async_save=True, save() returns after step 3 has copied the state to host
-  memory; the writing and hashing finish in a background thread, and steps 4-6
+  1. Agree. Ranks check that they were given the same arguments (a hash, one
+     all-reduce); rank 0 claims the root for this run (root/.owner.json), so a
+     second live run on the same root is refused instead of deleting our files.
+  2. Collect. Model and optimizer state by canonical parameter name; each extra
+     object's state_dict(), flattened the one way load() rebuilds it; RNG. An
+     extra whose state differs between ranks is stored once per rank. A value
+     load() could not restore safely is refused here, on every rank.
+  3. Prepare. Rank 0 creates root/.tmp-step-N-<id>; every rank checks it can see
+     it (a node-local root would scatter the shards over several disks).
+  4. Write. dcp.save() writes each rank's shards; any rank's failure is raised
+     on every rank. Each rank checksums the files it wrote.
+  5. Commit. Rank 0 writes manifest.json (checksums, fingerprint, structure of
+     the extras, commit sequence number), fsyncs it and renames the directory to
+     root/step-N: readers see all of it or nothing.
+  6. Retain. Rank 0 deletes the oldest commits beyond `keep`; never the newest.
+  With async_save=True, save() returns after step 4 has copied the state to host
+  memory; the write and checksums finish in a background thread, and steps 5-6
   run in PendingSave.wait(), which every rank calls (the next save calls it too).
 
 Load protocol (load()):
-  1. Agree on the path, as in save step 1.
-  2. Choose. Rank 0 picks the newest committed checkpoint (a step-NNNNNNNN
-     directory; one whose manifest.json is missing is refused in 3, not
-     skipped), ignoring and reporting temporary ones.
-  3. Verify files. Every file's size and checksum is compared with the
-     manifest, the work spread over ranks; a mismatch names the file and the
-     newest older checkpoint.
+  1. Agree, as in save step 1.
+  2. Choose. Rank 0 picks the newest commit under the root (by commit order, so
+     a rollback's branch wins over older, higher-numbered steps), or the
+     checkpoint directory it was given.
+  3. Verify files: sizes and checksums against the manifest, spread over ranks.
   4. Verify keys. DCP's .metadata is read through a restricted unpickler (no code
-     from the checkpoint runs) and its keys and shapes are compared with the
-     model's and optimizer's; a mismatch names the keys.
+     from the checkpoint runs); model and optimizer keys must match it.
   5. Read. dcp.load() reads into the live sharded tensors (resharding if the
-     world size changed); set_state_dict() maps optimizer state onto parameters
-     by name. Non-tensor items are unpickled with weights_only=True.
-  6. Verify values. The parameter fingerprint must equal the manifest's and
-     every trainable parameter must have optimizer state at the saved step.
+     layout changed); set_state_dict() maps optimizer state by name; extras are
+     rebuilt from the structure saved with them and handed to load_state_dict().
+  6. Verify values: the parameter fingerprint and every parameter's optimizer
+     state (which keys, which step) must equal what was saved.
+  Any step that fails on one rank fails every rank at the next agreement, within
+  seconds, with the same CheckpointError.
 
 On-disk layout:
     root/
+      .owner.json               the run that writes here (host, pid, job), refreshed while it lives
       step-00000100/            committed: renamed into place after every rank wrote
-        manifest.json           ours: step, world size, torch version, fingerprint,
-                                size and sha256 of every file below
+        manifest.json           ours: step, commit sequence, world size, fingerprint,
+                                size and checksum of every file, structure of the extras
         .metadata               DCP: which key lives in which file (pickle)
         __0_0.distcp            DCP: rank 0's shards of every tensor
         __1_0.distcp            DCP: rank 1's shards ...
       step-00000200/
-      .tmp-step-00000300/       a save in progress or crashed: never loaded
+      .tmp-step-00000300-1a2b/  a save in progress or crashed: never loaded
+      .abandoned-step-00000200-9f8e/   a commit on a branch given up by a rollback
 
 Keys inside the DCP checkpoint (standard DCP, readable by torch's own tools):
     model.<fqn>                          parameters and buffers (fp32 master weights)
     optim.state.<fqn>.<name>             optimizer state, e.g. exp_avg, step
     optim.param_groups.<fqn>.<option>    lr, betas, ... per parameter
-    extra.<name>.<key>                   each extra object's state_dict()
-    rng.<rank>.<generator>               per-rank RNG state
+    extra.<name>.<path>                  an extra's state_dict(), equal on every rank
+    rank.<r>.extra.<name>.<path>         an extra's state_dict() that differs per rank
+    rank.<r>.rng.<generator>             per-rank RNG state
 """
 
 import concurrent.futures
 import datetime
 import hashlib
+import io
 import json
 import logging
 import os
@@ -77,21 +83,31 @@ import pickle
 import random
 import re
 import shutil
+import socket
+import threading
 import time
+import uuid
+import zlib
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("ckpt")
 
 DEFAULT_TIMEOUT = datetime.timedelta(hours=1)
+STALE_AFTER = 120.0  # seconds without a refresh after which another run's claim on a root is abandoned
 MANIFEST = "manifest.json"
-FORMAT = 1
-STEP_RE = re.compile(r"^step-(\d{8})$")
+OWNER = ".owner.json"
+FORMAT = 2
+STEP_RE = re.compile(r"^step-(\d{8,})$")
+ABANDONED_RE = re.compile(r"^\.abandoned-step-(\d{8,})-[0-9a-f]+$")
 TMP_PREFIX = ".tmp-"
 # Optimizer state flattened to "state.<fqn>.<name>" keys: matched by name, and reshardable.
 SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -111,7 +127,7 @@ def step_dir(root, step):
 
 
 # ---------------------------------------------------------------------------
-# The checkpoint process group
+# Coordination: one gloo group, agreements that cost one all-reduce when all is well
 # ---------------------------------------------------------------------------
 
 _groups = {}
@@ -136,29 +152,61 @@ def checkpoint_group(timeout=DEFAULT_TIMEOUT, purpose="coordination"):
     return _groups[timeout, purpose]
 
 
-def _all_gather(obj, group, what):
-    """all_gather_object on the checkpoint group; a timeout says which phase hung."""
-    out = [None] * dist.get_world_size(group)
+def _collective(fn, group, what):
+    """Run one collective; a timeout or a lost peer becomes a CheckpointError naming the phase."""
     try:
-        dist.all_gather_object(out, obj, group=group)
+        return fn()
     except RuntimeError as e:
+        # A gloo group that timed out is unusable: drop it, so the next save makes a fresh one.
+        for key in [k for k, g in _groups.items() if g is group]:
+            del _groups[key]
         raise CheckpointError(
-            f"checkpoint coordination failed at '{what}' on rank {dist.get_rank()}: not every rank "
-            f"reached it in time (is save/load called on every rank?). Cause: {e}"
+            f"checkpoint coordination failed at '{what}' on rank {dist.get_rank()}: not every rank reached it "
+            f"within the checkpoint timeout (is save/load called on every rank? did a rank crash or hang?). "
+            f"Cause: {e}"
         ) from e
-    return out
 
 
-def _check_all(error, group, what):
-    """Every rank reports its local error (or None); if any rank failed, all raise."""
-    errors = _all_gather(error, group, what)
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if failed:
+def _check_all(error, group, what, args=None):
+    """Every rank reports its local error (or None) and, optionally, the arguments it was given
+    ({name: value}). If any rank failed, or ranks disagree on the arguments, all raise the same error.
+
+    One all-reduce when all is well: the max of a failure flag, of a hash h of the arguments and of -h
+    (equal hashes iff max(h) == -max(-h)). Messages are exchanged only when something is wrong.
+    """
+    text = " ".join(f"{k}={v}" for k, v in (args or {}).items())
+    h = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+    t = torch.tensor([0 if error is None else 1, h, -h], dtype=torch.int64)
+    _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), group, what)
+    if t[0].item() or t[1].item() != -t[2].item():
+        seen = [None] * dist.get_world_size(group)
+        _collective(lambda: dist.all_gather_object(seen, (error, text), group=group), group, what)
+        if t[1].item() != -t[2].item():
+            raise CheckpointError(f"{what} was given different arguments on different ranks: "
+                                  + ", ".join(f"rank {r}: {a}" for r, (_, a) in enumerate(seen)))
+        failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e]
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
 
 
 def _from_rank0(obj, group, what):
-    return _all_gather(obj, group, what)[0]
+    box = [obj]
+    _collective(lambda: dist.broadcast_object_list(box, src=0, group=group), group, what)
+    return box[0]
+
+
+def _to_rank0(obj, group, what):
+    """Gather JSON-able objects on rank 0 (a list there, None elsewhere): each other rank sends only its own."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()])
+    _collective(lambda: dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group), group, what)
+    padded = torch.zeros(size.item() + 8, dtype=torch.uint8)
+    padded[:8] = torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8)
+    padded[8 : 8 + data.numel()] = data
+    out = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))] if dist.get_rank() == 0 else None
+    _collective(lambda: dist.gather(padded, out, dst=0, group=group), group, what)
+    if out is None:
+        return None
+    return [json.loads(bytes(t[8 : 8 + t[:8].view(torch.int64).item()].tolist())) for t in out]
 
 
 def _capture(fn, *args):
@@ -166,33 +214,33 @@ def _capture(fn, *args):
     try:
         return fn(*args), None
     except Exception as e:  # reported to every rank by _check_all, then raised there
+        log.debug("on rank %d", dist.get_rank(), exc_info=True)
         return None, f"{type(e).__name__}: {e}"
 
 
-# ---------------------------------------------------------------------------
-# Files: listing, hashing, atomic writes
-# ---------------------------------------------------------------------------
+def _rank0(fn, group, what, *args):
+    """Run fn on rank 0 only and hand every rank its result; its failure is raised on every rank."""
+    result, err = _from_rank0(_capture(fn, *args) if dist.get_rank() == 0 else None, group, what)
+    if err:
+        raise CheckpointError(f"{what} failed on rank 0: {err}")
+    return result
 
 
-def committed_steps(root):
-    """Steps of committed checkpoints under root, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    steps = []
-    for name in os.listdir(root):
-        m = STEP_RE.match(name)
-        if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+# ---------------------------------------------------------------------------
+# The root: one run writes it at a time
+# ---------------------------------------------------------------------------
+
+_claims = {}  # root -> (run id, stop event, refresher thread); on rank 0 only
 
 
 def _check_root(root):
-    """A checkpoint root holds only our directories; anything else is a wrong path."""
+    """A checkpoint root holds only our entries; anything else means a wrong path."""
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"checkpoint root {root} exists and is not a directory")
     if not os.path.isdir(root):
         return
-    foreign = [n for n in sorted(os.listdir(root)) if not (STEP_RE.match(n) or n.startswith(TMP_PREFIX))]
+    # Hidden names and lost+found are ours or the filesystem's (.nfsXXXX, .snapshot).
+    foreign = [n for n in sorted(os.listdir(root)) if not (STEP_RE.match(n) or n.startswith(".") or n == "lost+found")]
     if foreign:
         raise CheckpointError(
             f"{root} does not look like a checkpoint root: it holds {foreign[:5]}; "
@@ -200,23 +248,120 @@ def _check_root(root):
         )
 
 
-def check_root(root, timeout=DEFAULT_TIMEOUT):
-    """Fail now, on every rank, if root cannot hold checkpoints. Call once at start-up, on every rank.
+def _read_owner(path):
+    """(record, seconds since its last refresh), or (None, None) if there is none."""
+    try:
+        age = time.time() - os.stat(path).st_mtime
+        with open(path) as f:
+            return json.load(f), age
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError):
+        return {}, age  # half-written by a run that died: judged by its age alone
 
-    Otherwise a wrong or unwritable root surfaces only at the first save, and the
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError):
+        return True
+    return True
+
+
+def _claim(root, stale_after):
+    """Rank 0: make this run the only writer of root, or raise naming the run that is."""
+    path = os.path.join(root, OWNER)
+    if root in _claims:
+        owner, _ = _read_owner(path)
+        if (owner or {}).get("run") != _claims[root][0]:
+            raise CheckpointError(f"this run lost its claim on {root} to {owner}: another run writes there now")
+        return
+    _check_root(root)
+    os.makedirs(root, exist_ok=True)
+    me = {"run": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+          "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID"),
+          "started": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    for _ in range(3):
+        try:
+            # Create-exclusive is atomic on local filesystems and NFS v3+; flock is not reliable on NFS.
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            owner, age = _read_owner(path)
+            if owner is None:
+                continue  # released meanwhile: try again
+            dead = owner.get("host") == me["host"] and not _alive(owner.get("pid"))
+            if not dead and age < stale_after:
+                raise CheckpointError(
+                    f"{root} is in use by another run ({', '.join(f'{k} {v}' for k, v in owner.items() if k != 'run')}; "
+                    f"claim refreshed {age:.0f} s ago). Two runs on one root delete each other's checkpoints: stop "
+                    f"that run or use another root. If it is gone, its claim expires {stale_after:.0f} s after its "
+                    f"last refresh (check_root(stale_after=...)), or delete {path}"
+                )
+            log.warning("taking over %s from %s: %s", root, owner,
+                        "its process is gone" if dead else f"no refresh for {age:.0f} s (stale after {stale_after:.0f} s)")
+            try:
+                os.replace(path, os.path.join(root, f"{TMP_PREFIX}owner-{me['run']}"))  # another taker may win this
+                os.remove(os.path.join(root, f"{TMP_PREFIX}owner-{me['run']}"))
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+        stop = threading.Event()
+        refresher = threading.Thread(target=_refresh_claim, args=(path, me["run"], stop, stale_after / 4),
+                                     name="ckpt-claim", daemon=True)  # daemon: a crashed run must still exit
+        refresher.start()
+        _claims[root] = (me["run"], stop, refresher)
+        # Temporary entries left by an earlier run are garbage now that it is gone; ours are created after this.
+        for name in os.listdir(root):
+            if name.startswith(TMP_PREFIX):
+                _remove(os.path.join(root, name), "left by an interrupted save")
+        return
+    raise CheckpointError(f"could not claim {root}: other runs keep taking it over")
+
+
+def _refresh_claim(path, run, stop, every):
+    # The file's mtime is the heartbeat: a run that stops refreshing it can be taken over.
+    while not stop.wait(every):
+        try:
+            owner, _ = _read_owner(path)
+            if (owner or {}).get("run") != run:
+                log.error("lost the claim on %s to %s", os.path.dirname(path), owner)
+                return
+            os.utime(path)
+        except OSError as e:
+            log.warning("could not refresh %s: %s", path, e)
+
+
+def _remove(path, why):
+    """Delete a directory or file we own; a failure is logged, never fatal (the name is not reused)."""
+    try:
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        log.warning("removed %s, %s", path, why)
+    except OSError as e:
+        log.warning("could not remove %s (%s): %s", path, why, e)
+
+
+def check_root(root, timeout=DEFAULT_TIMEOUT, stale_after=STALE_AFTER):
+    """Claim root for this run and fail now, on every rank, if it cannot hold checkpoints.
+
+    Call once at start-up, on every rank: otherwise a wrong or unwritable root, or a
+    root another live run is writing, surfaces only at the first save, and the
     training done until then is lost.
     """
     group = checkpoint_group(timeout)
     root = os.path.abspath(root)
-    _, err = _capture(_probe_root, root) if dist.get_rank() == 0 else (None, None)
-    _check_all(err, group, f"check of the checkpoint root {root}")
+    _check_all(None, group, "check_root()", {"root": root})
+    _rank0(_probe_root, group, f"check of the checkpoint root {root}", root, stale_after)
 
 
-def _probe_root(root):
-    _check_root(root)
+def _probe_root(root, stale_after):
     try:
-        os.makedirs(root, exist_ok=True)
-        # A directory with our temporary prefix: if we crash here, the next save removes it.
+        _claim(root, stale_after)
         probe = os.path.join(root, f"{TMP_PREFIX}probe-{os.getpid()}")
         os.makedirs(probe, exist_ok=True)
         with open(os.path.join(probe, "probe"), "wb") as f:
@@ -226,16 +371,48 @@ def _probe_root(root):
         raise CheckpointError(f"cannot write checkpoints under {root}: {e}") from e
 
 
-def _sha256(path):
-    h = hashlib.sha256()
+def close():
+    """End ckpt's part of the run, on every rank, before dist.destroy_process_group().
+
+    Commits a save in flight, releases the root (the next run needs no stale
+    wait), stops the refresher thread and destroys ckpt's process groups: none of
+    them may outlive the default group they were made from.
+    """
+    wait_pending()
+    for root, (run, stop, refresher) in list(_claims.items()):
+        stop.set()
+        refresher.join()
+        path = os.path.join(root, OWNER)
+        if (_read_owner(path)[0] or {}).get("run") == run:
+            os.remove(path)
+        del _claims[root]
+    for group in _groups.values():
+        dist.destroy_process_group(group)
+    _groups.clear()
+
+
+# ---------------------------------------------------------------------------
+# Files: checksums, manifests, committed checkpoints in commit order
+# ---------------------------------------------------------------------------
+
+# CRC-32 of every 16 MB block of a file. It guards against corruption, not forgery (the manifest
+# itself is not signed), and runs 2-3x faster than sha256. Per block, so that load() can check
+# exactly the bytes it reads, as it reads them, instead of reading every file twice.
+CHECKSUM = "crc32"
+BLOCK = 1 << 24
+
+
+def _crc(data):
+    return f"{zlib.crc32(data):08x}"
+
+
+def _checksum(path):
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+        return [_crc(block) for block in iter(lambda: f.read(BLOCK), b"")]
 
 
 def _describe(path):
-    return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    return {"bytes": os.path.getsize(path), CHECKSUM: _checksum(path)}
 
 
 def fsync_dir(path):
@@ -279,6 +456,71 @@ def read_manifest(ckpt_dir):
     return manifest
 
 
+def committed_steps(root):
+    """Steps of the committed step-NNNNNNNN checkpoints under root, in step order."""
+    if not os.path.isdir(root):
+        return []
+    found = (STEP_RE.match(n) for n in os.listdir(root))
+    return sorted(int(m.group(1)) for m in found if m and os.path.isfile(os.path.join(root, m.group(0), MANIFEST)))
+
+
+def _commits(root):
+    """[(seq, name)] of readable commits under root (abandoned ones included), oldest commit first."""
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if STEP_RE.match(name) or ABANDONED_RE.match(name):
+            try:
+                out.append((read_manifest(os.path.join(root, name))["seq"], name))
+            except CheckpointError:
+                pass  # not a commit we can order; find_checkpoint() and load() deal with it
+    return sorted(out)
+
+
+def find_checkpoint(path):
+    """The checkpoint load() would use: path itself if it is one, else the newest commit under path."""
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.isfile(os.path.join(path, MANIFEST)) or STEP_RE.match(name) or ABANDONED_RE.match(name):
+        return path
+    _check_root(path)
+    if not os.path.isdir(path):
+        return None
+    for n in sorted(os.listdir(path)):
+        if n.startswith(TMP_PREFIX) and "step-" in n:
+            log.warning("ignoring %s: an uncommitted (interrupted or in-progress) save", os.path.join(path, n))
+    live = [n for _, n in _commits(path) if STEP_RE.match(n)]
+    newest = live[-1] if live else None
+    # A step directory whose manifest is unreadable may be the newest commit: return it, and load()
+    # refuses it by name, where skipping it would silently go back to an older step.
+    step = lambda n: int(STEP_RE.match(n).group(1))  # noqa: E731
+    broken = [n for n in os.listdir(path) if STEP_RE.match(n) and n not in live]
+    broken = [n for n in broken if newest is None or step(n) > step(newest)]
+    if broken:
+        return os.path.join(path, max(broken, key=step))
+    return os.path.join(path, newest) if newest else None
+
+
+def _older(ckpt_dir):
+    """The newest readable commit beside ckpt_dir, for the hint when ckpt_dir is damaged."""
+    root, name = os.path.split(os.path.abspath(ckpt_dir))
+    others = [n for _, n in _commits(root) if n != name and STEP_RE.match(n)]
+    return os.path.join(root, others[-1]) if others else None
+
+
+def verify_files(ckpt_dir, manifest, rank=0, world=1, checksums=True):
+    """Compare sizes (and checksums) of this rank's share of the files; returns errors."""
+    errors = []
+    names = sorted(manifest["files"])
+    for name in names[rank::world]:
+        path, want = os.path.join(ckpt_dir, name), manifest["files"][name]
+        if not os.path.isfile(path):
+            errors.append(f"{path} is missing")
+        elif os.path.getsize(path) != want["bytes"]:
+            errors.append(f"{path} has {os.path.getsize(path)} bytes, the manifest says {want['bytes']}")
+        elif checksums and _checksum(path) != want[CHECKSUM]:
+            errors.append(f"{path} does not match its checksum (corrupted)")
+    return errors
+
+
 # ---------------------------------------------------------------------------
 # Untrusted input: DCP pickles its metadata and non-tensor values
 # ---------------------------------------------------------------------------
@@ -304,7 +546,7 @@ _SAFE_GLOBALS = {
 } | {("torch", str(d).removeprefix("torch.")) for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
 )} | {("torch", "strided")}
 
 
@@ -315,30 +557,88 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_metadata(ckpt_dir):
-    """DCP's .metadata, read without running code from the file."""
+def read_metadata(ckpt_dir, manifest=None):
+    """DCP's .metadata, read without running code from the file (and checked against the manifest, if given)."""
     path = os.path.join(ckpt_dir, ".metadata")
     try:
         with open(path, "rb") as f:
-            return _MetadataUnpickler(f).load()
+            data = f.read()
+        if manifest is not None and [_crc(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)] != \
+                manifest["files"][".metadata"][CHECKSUM]:
+            raise CheckpointError(f"{path} does not match its checksum (corrupted)")
+        return _MetadataUnpickler(io.BytesIO(data)).load()
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path} cannot be read safely: {e}") from e
 
 
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose .metadata is read through the restricted unpickler.
+    """FileSystemReader whose .metadata is read through the restricted unpickler, and whose
+    data is checked against the manifest's block checksums as it is read.
 
-    metadata: what read_metadata() already returned for this checkpoint, to skip a second read."""
+    metadata: what read_metadata() already returned for this checkpoint, to skip a second read.
+    manifest: checksums to check every byte against before it is used (None: unchecked reads).
+    """
 
-    def __init__(self, path, metadata=None):
+    def __init__(self, path, metadata=None, manifest=None):
         super().__init__(path)
-        self.safe_metadata = metadata
+        self.safe_metadata, self.manifest = metadata, manifest
 
     def read_metadata(self, *args, **kwargs):
         metadata = self.safe_metadata or read_metadata(str(self.checkpoint_id))
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan, planner):
+        if self.manifest is None:
+            return super().read_data(plan, planner)
+        per_file = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            # In file order, block by block: one sequential pass, each block checked once.
+            blocks = _VerifiedBlocks(os.path.join(str(self.path), name), self.manifest["files"][name][CHECKSUM])
+            for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                where = self.storage_data[item.storage_index]
+                if getattr(where, "transform_descriptors", None):
+                    raise CheckpointError(f"{name}: transformed (e.g. compressed) items are not supported")
+                data = io.BytesIO(blocks.read(where.offset, where.length))
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, data)
+                    continue
+                tensor = torch.load(data, map_location="cpu", weights_only=True)
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this rank needs
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(tensor)
+                planner.commit_tensor(item, target)
+            blocks.close()
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class _VerifiedBlocks:
+    """Reads byte ranges of a file through its checked 16 MB blocks; ranges must come in file order."""
+
+    def __init__(self, path, checksums):
+        self.path, self.checksums, self.f, self.cache = path, checksums, open(path, "rb"), {}
+
+    def read(self, offset, length):
+        first, last = offset // BLOCK, max(offset + length - 1, offset) // BLOCK
+        self.cache = {b: v for b, v in self.cache.items() if b >= first}  # ranges come in order
+        for b in range(first, last + 1):
+            if b not in self.cache:
+                self.f.seek(b * BLOCK)
+                block = self.f.read(BLOCK)
+                if b >= len(self.checksums) or _crc(block) != self.checksums[b]:
+                    raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
+                self.cache[b] = block
+        data = self.cache[first] if first == last else b"".join(self.cache[b] for b in range(first, last + 1))
+        return data[offset - first * BLOCK : offset - first * BLOCK + length]
+
+    def close(self):
+        self.f.close()
 
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
@@ -355,94 +655,234 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
 
 # ---------------------------------------------------------------------------
-# The state: model, optimizer, extras, RNG -> one flat dict of DCP keys
+# The state: one flattening for save and load
 # ---------------------------------------------------------------------------
 
-
-def _flatten(tree, prefix=""):
-    flat = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            flat.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v
-    return flat
+# Plain values that torch.load(weights_only=True) restores: DCP stores them pickled.
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
-def _unflatten_into(tree, flat, prefix=""):
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            _unflatten_into(v, flat, f"{prefix}{k}.")
-        else:
-            tree[k] = flat[f"{prefix}{k}"]
+def _flatten(value, key, flat):
+    """Put value's leaves into flat under dotted keys; return its structure (JSON) to rebuild it.
 
-
-def _rng_state():
-    """This rank's RNG state, as tensors (no pickled Python objects in the checkpoint)."""
-    version, mt, gauss = random.getstate()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python_mt": torch.tensor(mt, dtype=torch.int64),
-        "python_meta": torch.tensor([version, gauss if gauss is not None else float("nan")], dtype=torch.float64),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    version, gauss = state["python_meta"].tolist()
-    random.setstate((int(version), tuple(state["python_mt"].tolist()), None if gauss != gauss else gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _state(model, optimizer, extra, rng):
-    """The nested state of this rank; _flatten() turns it into DCP's flat keys."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=SD_OPTIONS)
-    state = {"model": model_sd, "optim": optim_sd}
-    if extra:
-        state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
-    if rng:
-        # Per-rank keys: DCP would otherwise keep only one rank's copy of a "replicated" value.
-        state["rng"] = {str(dist.get_rank()): _rng_state()}
-    return state
-
-
-def fingerprint(model, group):
-    """{fqn: int} summing the bit patterns of every parameter, exact under any sharding.
-
-    Each rank sums its local shard as integers and the sums are all-reduced.
-    Integer addition is associative, so the value is identical whatever the world
-    size and shard boundaries: the value to compare after a load, reshard included.
+    The structure is saved in the manifest, so load() rebuilds exactly what was
+    saved (lists, tuples, empty dicts, numpy values) without asking a freshly
+    constructed object what its state looks like.
     """
-    names, sums = [], []
-    for name, p in model.named_parameters():
-        local = p.to_local() if isinstance(p, DTensor) else (p if dist.get_rank() == 0 else p[:0])
-        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
-        names.append(name)
-        flat = local.detach().reshape(-1).view(bits)
-        # Widened to int64 a chunk at a time: widening whole shards at once left ~200 MB of freed
-        # temporaries in the heap at 100M parameters (bench_ckpt.py), on top of the peak memory.
-        zero = torch.zeros((), dtype=torch.int64, device=flat.device)
-        sums.append(sum((c.to(torch.int64).sum() for c in flat.split(1 << 20)), zero).cpu())
-    total = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
-    dist.all_reduce(total, group=group)
-    return dict(zip(names, total.tolist()))
+    if type(value) in (dict, list, tuple) or isinstance(value, dict):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        children = []
+        for k, v in items:
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                raise CheckpointError(f"{key}: a key of type {type(k).__name__} ({k!r}); use str or int keys")
+            children.append([k, _flatten(v, f"{key}.{k}", flat)])
+        kind = "dict" if isinstance(value, dict) else type(value).__name__
+        return {kind: children if kind == "dict" else [c for _, c in children]}
+    if key in flat:
+        raise CheckpointError(f"{key}: two entries flatten to this key (a dict key with a '.' in it?)")
+    if type(value).__module__ == "numpy":  # arrays and scalars, without importing numpy: stored as tensors
+        try:
+            flat[key] = torch.from_numpy(value.reshape(-1).copy()).reshape(value.shape)
+        except (TypeError, AttributeError) as e:
+            raise CheckpointError(f"{key}: a numpy {type(value).__name__} that torch cannot hold ({e})") from e
+        return {"numpy": "array" if type(value).__name__ == "ndarray" else "scalar"}
+    if not isinstance(value, (torch.Tensor, *_PLAIN)):
+        raise CheckpointError(
+            f"{key} is a {type(value).__module__}.{type(value).__qualname__}, which load() cannot restore without "
+            "running code from the checkpoint. A checkpoint holds tensors, numpy arrays, None/bool/int/float/str/"
+            "bytes and dicts/lists/tuples of them: convert it in state_dict() and back in load_state_dict()"
+        )
+    flat[key] = value
+    return None
 
 
-def _optimizer_summary(model, optimizer):
-    """What load() checks: which state every trainable parameter has, and its step."""
-    keys, steps = set(), set()
-    for p in model.parameters():
-        st = optimizer.state.get(p, {})
-        keys |= set(st)
-        if "step" in st:
-            steps.add(float(st["step"]))
-    if len(steps) > 1:
-        raise CheckpointError(f"optimizer parameters are at different steps {sorted(steps)}")
-    return {"state_keys": sorted(keys), "step": steps.pop() if steps else None}
+def _unflatten(structure, key, flat):
+    """Inverse of _flatten: the value saved under key, rebuilt from its structure and the loaded leaves."""
+    if structure is None:
+        return flat[key]
+    kind, children = next(iter(structure.items()))
+    if kind == "dict":
+        return {k: _unflatten(c, f"{key}.{k}", flat) for k, c in children}
+    if kind in ("list", "tuple"):
+        items = [_unflatten(c, f"{key}.{i}", flat) for i, c in enumerate(children)]
+        return items if kind == "list" else tuple(items)
+    t = flat[key]  # numpy
+    return t.numpy() if children == "array" else t.numpy()[()]
+
+
+def _leaf_keys(structure, key):
+    """The flat keys _flatten() produced for this structure."""
+    if structure is None:
+        return [key]
+    kind, children = next(iter(structure.items()))
+    if kind == "dict":
+        return [k2 for k, c in children for k2 in _leaf_keys(c, f"{key}.{k}")]
+    if kind in ("list", "tuple"):
+        return [k2 for i, c in enumerate(children) for k2 in _leaf_keys(c, f"{key}.{i}")]
+    return [key]
+
+
+class _RNG:
+    """This rank's RNG streams as tensors (no pickled Python objects in the checkpoint)."""
+
+    def state_dict(self):
+        version, mt, gauss = random.getstate()
+        state = {
+            "torch": torch.get_rng_state(),
+            "python_mt": torch.tensor(mt, dtype=torch.int64),
+            "python_meta": torch.tensor([version, gauss if gauss is not None else float("nan")], dtype=torch.float64),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state):
+        torch.set_rng_state(state["torch"])
+        version, gauss = state["python_meta"].tolist()
+        random.setstate((int(version), tuple(state["python_mt"].tolist()), None if gauss != gauss else gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+def _digest(flat):
+    """A digest of plain leaves, to tell whether an extra is the same on every rank."""
+    h = hashlib.sha256()
+    for k, v in flat.items():
+        h.update(k.encode())
+        if isinstance(v, DTensor):
+            continue  # a global tensor: DCP stores its shards, whatever each rank holds
+        h.update(pickle.dumps(v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v))
+    return h.hexdigest()
+
+
+def _extras(extra, rng):
+    objects = dict(extra or {})
+    if rng:
+        objects["rng"] = _RNG()  # the name is ours: user extras live under extra.<name>, RNG under rank.<r>.rng
+    return objects
+
+
+def _collect(model, optimizer, extra, rng):
+    """This rank's state: flat model/optimizer keys, and each extra's flat leaves and structure."""
+    if optimizer is None:
+        model_sd, optim_sd = get_model_state_dict(model, options=SD_OPTIONS), {}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=SD_OPTIONS)
+    flat = {}
+    _flatten(model_sd, "model", flat)
+    _flatten(optim_sd, "optim", flat)
+    summary = None if optimizer is None else _optimizer_summary(optim_sd, model_sd)
+    extras = {}
+    for name, obj in _extras(extra, rng).items():
+        leaves = {}
+        try:
+            extras[name] = (_flatten(obj.state_dict(), "", leaves), leaves)
+        except CheckpointError as e:
+            raise CheckpointError(f"extra {name!r}: {e}") from None
+    return model_sd, flat, extras, summary
+
+
+def _optimizer_summary(optim_sd, model_sd):
+    """{fqn: [state names, step]} for every parameter that has optimizer state; load() compares it."""
+    summary = {}
+    for key, value in optim_sd.items():
+        if not key.startswith("state."):
+            continue
+        parts = key[len("state."):].split(".")
+        fqn = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in model_sd), None)
+        if fqn is None:
+            continue
+        names, step = summary.setdefault(fqn, [[], None])
+        names.append(".".join(parts[len(fqn.split(".")):]))
+        if parts[-1] == "step" and len(parts) == len(fqn.split(".")) + 1:
+            summary[fqn][1] = float(value)
+    return {fqn: [sorted(names), step] for fqn, (names, step) in summary.items()}
+
+
+# Fingerprint: every element's bits weighted by (1 + the sum of its global coordinates), summed
+# modulo a prime. Integer arithmetic is exact and order-free, so any layout gives the same value,
+# and the weights make a misplaced shard or two swapped rows change it, where a plain sum would not.
+_P = 2**31 - 1  # products of two residues stay below 2**62: no int64 overflow
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _weighted_sum(local, offsets):
+    x = local.detach()
+    if x.is_complex():
+        x, offsets = torch.view_as_real(x), (*offsets, 0)
+    if x.dim() == 0:
+        x, offsets = x.reshape(1), (0,)
+    if x.numel() == 0:
+        return 0
+    v = x.view(_INT[x.element_size()])
+    rows = max(1, (1 << 22) // max(1, v[0].numel()))  # blocks of ~4M elements bound the int64 temporaries
+    total = torch.zeros((), dtype=torch.int64, device=v.device)
+    for start in range(0, v.shape[0], rows):
+        block = v[start : start + rows].to(torch.int64) % _P
+        total += block.sum() % _P
+        for d in range(block.dim()):
+            margin = block.sum(dim=[i for i in range(block.dim()) if i != d]) if block.dim() > 1 else block
+            coord = torch.arange(margin.numel(), dtype=torch.int64, device=v.device) + offsets[d] + (start if d == 0 else 0)
+            total += (margin % _P * (coord % _P) % _P).sum() % _P
+        total %= _P
+    return total.item()
+
+
+def fingerprint(model_sd, group, strict=False):
+    """{fqn: int} over the model's state, identical under any sharding, replication or world size.
+
+    Each element is counted once: a DTensor's shard by the replica whose coordinate
+    is 0 on every Replicate mesh dimension (HSDP keeps a copy per replica), at the
+    global offset DCP stores it at. A plain tensor is the same on every rank, since
+    DCP keeps one copy of it: with strict=True (at save) a rank that differs is an error.
+    """
+    tensors = {fqn: t for fqn, t in model_sd.items() if isinstance(t, torch.Tensor)}
+
+    def local(fqn, t):
+        if not isinstance(t, DTensor):
+            return _weighted_sum(t, (0,) * t.dim())
+        coord = t.device_mesh.get_coordinate() or []
+        if not all(c == 0 for c, p in zip(coord, t.placements) if p.is_replicate()):
+            return 0
+        return _weighted_sum(t.to_local(), t.__create_chunk_list__()[0].offsets)  # where DCP stores this shard
+
+    sums, err = _capture(lambda: [local(fqn, t) for fqn, t in tensors.items()])
+    sums = sums or [0] * len(tensors)
+    mine = [s if isinstance(t, DTensor) or dist.get_rank() == 0 else 0 for s, t in zip(sums, tensors.values())]
+    # A failure on one rank rides in the same all-reduce (the last element): no rank is left waiting.
+    total = torch.tensor(mine + [1 if err else 0], dtype=torch.int64)
+    _collective(lambda: dist.all_reduce(total, group=group), group, "fingerprint")
+    if total[-1].item():
+        _check_all(err, group, "fingerprint")
+    if strict:
+        plain = [s if not isinstance(t, DTensor) else 0 for s, t in zip(sums, tensors.values())]
+        spread = torch.tensor(plain + [-p for p in plain], dtype=torch.int64)
+        _collective(lambda: dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group), group, "fingerprint")
+        differ = [f for i, f in enumerate(tensors) if spread[i].item() != -spread[len(plain) + i].item()]
+        if differ:
+            raise CheckpointError(f"tensors that are not DTensors differ between ranks: {differ[:10]}; DCP would "
+                                  "keep only one rank's copy. Make them equal (e.g. sync them) or shard them")
+    return {fqn: total[i].item() % _P for i, fqn in enumerate(tensors)}
+
+
+def _param_names(model, model_sd):
+    """{parameter: [canonical names]}: named_parameters() with wrapper segments dropped.
+
+    torch.compile (_orig_mod) and activation checkpointing (_checkpoint_wrapped_module)
+    insert underscore-named wrappers into names; the state dict, and so the
+    checkpoint, does not have them. A name must end up as a key of the state dict.
+    """
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        parts = name.split(".")
+        keep = [i for i, s in enumerate(parts) if not s.startswith("_")]
+        candidates = [name, ".".join(parts[i] for i in keep)]
+        canonical = next((c for c in candidates if c in model_sd), None)
+        if canonical is None:
+            raise CheckpointError(f"parameter {name} has no entry in the model's state dict (canonical names: "
+                                  f"{list(model_sd)[:5]}...)")
+        out.setdefault(p, []).append(canonical)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -450,34 +890,46 @@ def _optimizer_summary(model, optimizer):
 # ---------------------------------------------------------------------------
 
 
-def save(root, step, model, optimizer, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
+def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
          timeout=DEFAULT_TIMEOUT):
     """Write a sharded checkpoint of step under root; returns its path once committed.
 
-    Call on every rank. extra: {name: object with state_dict()/load_state_dict()}.
-    keep: retain the newest `keep` committed checkpoints (None keeps all).
-    meta: a JSON-able dict stored in the manifest (e.g. the model configuration).
-    async_save: return a PendingSave as soon as the state is copied to host memory;
-    the files are written in the background and its wait() (on every rank) commits.
+    Call on every rank, with the same arguments. optimizer=None saves the model alone.
+    extra: {name: object with state_dict()/load_state_dict()}; state that differs
+    between ranks is kept per rank. keep: retain the newest `keep` commits (None
+    keeps all). meta: a JSON-able dict stored in the manifest (e.g. the model
+    configuration). async_save: return a PendingSave as soon as the state is copied
+    to host memory; the files are written in the background and its wait() (on
+    every rank) commits.
     """
     wait_pending()  # at most one save in flight: a second would race the first for the root
     group = checkpoint_group(timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     root = os.path.abspath(root)
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
 
-    # 1. Agree: ranks that build paths from their own clock or config diverge silently otherwise.
-    seen = _all_gather((root, step), group, "save: agree on path")
-    if len(set(seen)) > 1:
-        raise CheckpointError(
-            "save() was given different arguments on different ranks: "
-            + ", ".join(f"rank {r}: root={p} step={s}" for r, (p, s) in enumerate(seen))
-        )
-    final = step_dir(root, step)
-    tmp = os.path.join(root, f"{TMP_PREFIX}step-{step:08d}")
+    # 1-2. Collect this rank's state (user code runs here: state_dict()), then agree, in one all-reduce,
+    # that no rank failed and every rank was given the arguments that decide the files and collectives.
+    collected, err = _capture(_collect, model, optimizer, extra, rng)
+    args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save,
+            "optimizer": optimizer is not None, "extra": sorted(extra or {})}
+    _check_all(err, group, "save()", args)
+    model_sd, flat, extras, summary = collected
+    # An extra that differs between ranks would be de-duplicated by DCP to one rank's copy: keep it per rank.
+    per_rank = ["rng"] if rng else []
+    if extra:
+        digests = _to_rank0({n: _digest(leaves) for n, (_, leaves) in extras.items()}, group, "save: compare extras")
+        per_rank = _from_rank0(
+            sorted(n for n in extras if n == "rng" or len({d[n] for d in digests}) > 1) if rank == 0 else None,
+            group, "save: per-rank extras")
+    for name, (structure, leaves) in extras.items():
+        prefix = f"rank.{rank}.{name}" if name == "rng" else f"rank.{rank}.extra.{name}" if name in per_rank else f"extra.{name}"
+        flat.update({prefix + k: v for k, v in leaves.items()})
+    prints = fingerprint(model_sd, group, strict=True)
 
-    # 2. Prepare: rank 0 alone touches the root, so ranks never race on mkdir/rmtree.
-    _, err = _capture(_prepare, root, tmp, final) if rank == 0 else (None, None)
-    _check_all(err, group, f"save: prepare {tmp}")
+    # 3. Prepare: rank 0 alone touches the root, so ranks never race on mkdir/rmtree.
+    tmp, final = _rank0(_prepare, group, f"save: prepare step {step} in {root}", root, step)
     # Each rank must see rank 0's directory: a node-local root loses other nodes' shards.
     err = None if os.path.isdir(tmp) else (
         f"cannot see {tmp}, which rank 0 created: the checkpoint root must be on storage shared by all ranks"
@@ -490,31 +942,39 @@ def save(root, step, model, optimizer, extra=None, *, keep=None, meta=None, rng=
         "world_size": world,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "fingerprint": fingerprint(model, group),
-        "optimizer": _optimizer_summary(model, optimizer),
-        "extra": sorted(extra or {}),
-        "rng": bool(rng),
+        "fingerprint": prints,
+        "optimizer": summary,
+        "extra": {n: s for n, (s, _) in extras.items() if n not in per_rank},
+        "per_rank": per_rank,  # their structures, one per rank, are gathered at the commit
         "rng_seed": torch.initial_seed(),
         "meta": meta or {},
     }
-    pending = PendingSave(tmp, final, manifest, group, keep)
+    mine = {n: s for n, (s, _) in extras.items() if n in per_rank}
+    pending = PendingSave(tmp, final, manifest, mine, group, keep)
 
-    # 3. Write. DCP raises any rank's failure on every rank.
-    state = _flatten(_state(model, optimizer, extra, rng))
+    # 4. Write. DCP raises any rank's failure on every rank.
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
+    planner = dcp.DefaultSavePlanner(flatten_state_dict=False)  # keys are flat already: load() asks for these
     if not async_save:
-        pending.start(lambda: dcp.save(state, storage_writer=writer, process_group=group), background=False)
+        pending.start(lambda: dcp.save(flat, storage_writer=writer, planner=planner, process_group=group),
+                      background=False)
         return pending.wait()
     # The background thread runs DCP's collectives on a group of its own: the main thread
     # keeps using `group` meanwhile, and two threads on one group would interleave and deadlock.
     background = checkpoint_group(timeout, purpose="async")
     # Staging is the part of an async save that blocks training. A FileSystemWriter would stage
-    # itself: deep-copy every DTensor, then copy it again (bench_ckpt.py, 600 MB per rank on
-    # CPU: 0.8-3.4 s). DCP's generic stager copies each tensor once (0.2-0.5 s). It is ours, so
-    # we close it once the write is done.
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+    # itself: deep-copy every DTensor, then copy it again. DCP's generic stager copies each
+    # tensor once. It is ours, so we close it once the write is done.
+    stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                           use_async_staging=False, use_non_blocking_copy=False))
-    upload = dcp.async_save(state, storage_writer=writer, process_group=background, async_stager=stager)
+    try:
+        upload = dcp.async_save(flat, storage_writer=writer, planner=planner, process_group=background,
+                                async_stager=stager)
+    except _DCP_FAILURES as e:
+        upload, err = None, f"{type(e).__name__}: {e}"
+    else:
+        err = None
+    _check_all(err, group, "save: stage the state")
     # async_save returned: the state is copied to host memory; training may change parameters now.
 
     def write():
@@ -544,15 +1004,16 @@ class PendingSave:
     (a collective, then rank 0's rename) runs in the caller's thread, in wait().
     """
 
-    def __init__(self, tmp, final, manifest, group, keep):
+    def __init__(self, tmp, final, manifest, structures, group, keep):
         self.tmp, self.final, self.manifest, self.group, self.keep = tmp, final, manifest, group, keep
+        self.structures = structures
         self.path = None
         self.t0 = time.monotonic()
 
     def start(self, write, background):
         def job():
             write()
-            return _describe_own(self.tmp)  # hashing a large shard takes a while: off the training thread too
+            return _describe_own(self.tmp)  # checksums of a large shard take a while: off the training thread too
 
         if background:
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
@@ -575,14 +1036,14 @@ class PendingSave:
                 files, err = self.job.result(), None
             except _DCP_FAILURES as e:  # told to every rank below, so none commits or hangs
                 files, err = None, f"{type(e).__name__}: {e}"
-            finally:
-                if self in _in_flight:
-                    _in_flight.remove(self)
-            try:
-                _check_all(err, self.group, f"save of {self.final} (write)")
-            except CheckpointError as e:
-                raise CheckpointError(f"{e}. Nothing was committed; the previous checkpoint is intact") from None
-            _commit(self.tmp, self.final, self.manifest, files, self.group, self.keep)
+            # Only now is the write over: a wait() interrupted above (Ctrl-C) leaves the save in flight.
+            if self in _in_flight:
+                _in_flight.remove(self)
+            # 5. Every rank checksummed its own files (or failed); rank 0 collects them and commits.
+            parts = _to_rank0({"files": files, "error": err, "structures": self.structures}, self.group,
+                              f"save of {self.final}: gather checksums")
+            # No rank returns before the rename (and retention) is done: returning means "committed".
+            _rank0(_commit_rank0, self.group, f"save of {self.final}", self, parts)
             self.path = self.final
             if dist.get_rank() == 0:
                 log.info("checkpoint %s committed (%.2f s)", self.final, time.monotonic() - self.t0)
@@ -590,67 +1051,74 @@ class PendingSave:
 
 
 def _describe_own(tmp):
-    """Size and sha256 of the files this rank wrote (DCP names rank r's files __r_*)."""
-    rank = dist.get_rank()
-    mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")]
-    return {n: dict(_describe(os.path.join(tmp, n)), rank=rank) for n in mine}
+    """Size and checksum of the files this rank wrote, found by name (DCP names rank r's files __r_<i>.distcp)."""
+    rank, out, i = dist.get_rank(), {}, 0
+    while os.path.exists(path := os.path.join(tmp, f"__{rank}_{i}.distcp")):
+        out[os.path.basename(path)] = dict(_describe(path), rank=rank)
+        i += 1
+    if rank == 0:
+        out[".metadata"] = dict(_describe(os.path.join(tmp, ".metadata")), rank=0)
+    return out
 
 
-def _prepare(root, tmp, final):
-    os.makedirs(root, exist_ok=True)
-    _check_root(root)
+_parents = {}  # root -> the commit this run's state descends from (loaded or last saved)
+
+
+def _prepare(root, step):
+    """Rank 0: a fresh temporary directory for step; an older commit of the same step is moved aside."""
+    _claim(root, STALE_AFTER)
+    final = step_dir(root, step)
     if os.path.exists(final):
-        raise CheckpointError(f"{final} already exists: refusing to overwrite a committed checkpoint")
-    for name in os.listdir(root):
-        if name.startswith(TMP_PREFIX):
-            log.warning("removing %s, left by an interrupted save", os.path.join(root, name))
-            shutil.rmtree(os.path.join(root, name))
-    # DCP assumes an empty directory: old .metadata beside new shards would be trusted.
+        owner = read_manifest(final).get("run") if os.path.isfile(os.path.join(final, MANIFEST)) else None
+        if owner == _claims[root][0]:
+            raise CheckpointError(f"{final} already exists: this run saved step {step} before")
+        # Written by another run or an abandoned branch (a rollback): keep it, out of load()'s way.
+        aside = os.path.join(root, f".abandoned-step-{step:08d}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, aside)
+        log.warning("moved %s aside to %s: this run continues from %s", final, aside, _parents.get(root, "scratch"))
+    # DCP assumes an empty directory: old .metadata beside new shards would be trusted. A unique name
+    # means a leftover we could not delete never blocks a later save.
+    tmp = os.path.join(root, f"{TMP_PREFIX}step-{step:08d}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     fsync_dir(root)
+    return tmp, final
 
 
-def _commit(tmp, final, manifest, described, group, keep):
-    # 4. Every rank hashed its own files; rank 0 collects them for the manifest.
-    rank = dist.get_rank()
-    files = {}
-    for part in _all_gather(described, group, "save: gather checksums"):
-        files.update(part)
-
-    # 5. Commit: until this rename the previous checkpoint stays the newest.
-    err = None
-    if rank == 0:
-        _, err = _capture(_commit_rank0, tmp, final, dict(manifest, files=files))
-    # No rank returns before the rename is done: returning means "committed".
-    _check_all(err, group, f"save: commit {final}")
-
-    # 6. Retain: after the commit, so a crash here never leaves fewer good checkpoints.
-    if rank == 0 and keep:
-        _retain(os.path.dirname(final), keep)
-
-
-def _commit_rank0(tmp, final, manifest):
-    on_disk = sorted(n for n in os.listdir(tmp))
-    if ".metadata" not in on_disk or sorted(manifest["files"]) != on_disk:
-        raise CheckpointError(f"{tmp} holds {on_disk} but ranks reported {sorted(manifest['files'])}")
+def _commit_rank0(pending, parts):
+    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p["error"]]
+    if failed:
+        raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was committed; "
+                              "the previous checkpoint is intact")
+    tmp, final, root = pending.tmp, pending.final, os.path.dirname(pending.final)
+    files = {n: d for part in parts for n, d in part["files"].items()}
+    on_disk = sorted(os.listdir(tmp))
+    if ".metadata" not in on_disk or sorted(files) != on_disk:
+        raise CheckpointError(f"{tmp} holds {on_disk} but ranks reported {sorted(files)}")
+    commits = _commits(root)
+    manifest = dict(pending.manifest, files=files, run=_claims[root][0], parent=_parents.get(root),
+                    seq=commits[-1][0] + 1 if commits else 1,  # commit order: "newest" even after a rollback
+                    per_rank={n: [p["structures"][n] for p in parts] for n in pending.manifest["per_rank"]})
     _write_manifest(tmp, manifest)
     fsync_dir(tmp)
     os.rename(tmp, final)  # atomic: the checkpoint appears whole or not at all
-    fsync_dir(os.path.dirname(final))  # without this a power cut can undo the rename
+    fsync_dir(root)  # without this a power cut can undo the rename
+    _parents[root] = os.path.basename(final)
+    # 6. Retain: after the commit, so a crash here never leaves fewer good checkpoints.
+    if pending.keep:
+        _retain(root, pending.keep)
 
 
 def _retain(root, keep):
-    steps = committed_steps(root)
-    for s in steps[: max(len(steps) - max(keep, 1), 0)]:  # never the newest
-        doomed = step_dir(root, s)
-        trash = os.path.join(root, f"{TMP_PREFIX}delete-step-{s:08d}")
+    commits = [n for _, n in _commits(root)]
+    for name in commits[: max(len(commits) - max(keep, 1), 0)]:  # by commit order; never the newest
+        trash = os.path.join(root, f"{TMP_PREFIX}delete-{name.lstrip('.')}")
         try:
             # Rename first: a crash mid-delete leaves a .tmp- directory, never a half checkpoint.
-            os.rename(doomed, trash)
+            os.rename(os.path.join(root, name), trash)
             shutil.rmtree(trash)
-            log.info("retention: removed %s (keep=%d)", doomed, keep)
+            log.info("retention: removed %s (keep=%d)", os.path.join(root, name), keep)
         except OSError as e:
-            log.warning("retention: could not remove %s: %s", doomed, e)
+            log.warning("retention: could not remove %s: %s", os.path.join(root, name), e)
 
 
 # ---------------------------------------------------------------------------
@@ -658,117 +1126,135 @@ def _retain(root, keep):
 # ---------------------------------------------------------------------------
 
 
-def find_checkpoint(path):
-    """The checkpoint directory load() would use: path itself if it is one, else the newest under path."""
-    if os.path.isfile(os.path.join(path, MANIFEST)) or STEP_RE.match(os.path.basename(os.path.normpath(path))):
-        return path
-    _check_root(path)
-    if os.path.isdir(path):
-        for name in sorted(os.listdir(path)):
-            if name.startswith(TMP_PREFIX):
-                log.warning("ignoring %s: an uncommitted (interrupted or in-progress) save", os.path.join(path, name))
-    # The rename into step-NNNNNNNN is the commit, so the newest such directory is chosen even if its
-    # manifest is gone: load() then refuses it by name, where skipping it would silently go back a step.
-    named = sorted(int(m.group(1)) for m in map(STEP_RE.match, os.listdir(path)) if m) if os.path.isdir(path) else []
-    return step_dir(path, named[-1]) if named else None
-
-
-def _older(ckpt_dir):
-    root = os.path.dirname(os.path.abspath(ckpt_dir))
-    step = int(STEP_RE.match(os.path.basename(os.path.abspath(ckpt_dir))).group(1)) if STEP_RE.match(
-        os.path.basename(os.path.abspath(ckpt_dir))) else None
-    older = [s for s in committed_steps(root) if step is None or s < step]
-    return step_dir(root, older[-1]) if older else None
-
-
-def verify_files(ckpt_dir, manifest, rank=0, world=1):
-    """Compare sizes and checksums of this rank's share of the files; returns errors."""
-    errors = []
-    names = sorted(manifest["files"])
-    for i, name in enumerate(names):
-        if i % world != rank:
-            continue
-        path, want = os.path.join(ckpt_dir, name), manifest["files"][name]
-        if not os.path.isfile(path):
-            errors.append(f"{path} is missing")
-        elif os.path.getsize(path) != want["bytes"]:
-            errors.append(f"{path} has {os.path.getsize(path)} bytes, the manifest says {want['bytes']}")
-        elif _sha256(path) != want["sha256"]:
-            errors.append(f"{path} does not match its checksum (corrupted)")
-    return errors
-
-
-def _check_keys(metadata, state, path):
-    """Name every missing, unexpected or reshaped key before DCP reads anything."""
+def _targets(model, optimizer, extra, rng, manifest, metadata, ckpt_dir):
+    """The flat dict DCP reads into: live shards for the model and optimizer, new tensors for extras."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     saved = metadata.state_dict_metadata
-    missing = sorted(k for k in state if k not in saved)
-    unexpected = sorted(k for k in saved if k.startswith("model.") and k not in state)
-    reshaped = [
-        f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(v.shape)}"
-        for k, v in state.items()
-        if k in saved and isinstance(v, torch.Tensor) and hasattr(saved[k], "size") and tuple(saved[k].size) != tuple(v.shape)
-    ]
-    problems = []
-    for label, keys in (("missing from the checkpoint", missing), ("not in the model", unexpected), ("of another shape", reshaped)):
-        if keys:
-            more = f" (+{len(keys) - 10} more)" if len(keys) > 10 else ""
-            problems.append(f"{len(keys)} key(s) {label}: {keys[:10]}{more}")
+    if optimizer is None:
+        model_sd, optim_sd = get_model_state_dict(model, options=SD_OPTIONS), {}
+    else:
+        # A fresh optimizer gets state for every trainable parameter here (torch fills it by a
+        # zero step); parameters that had none when saved keep none (see load step 5).
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=SD_OPTIONS)
+    flat = {}
+    structure = (_flatten(model_sd, "model", flat), _flatten(optim_sd, "optim", flat))
+
+    want = manifest["optimizer"]
+    if optimizer is not None and want is None:
+        raise CheckpointError(f"{ckpt_dir} was saved without optimizer state: load it with optimizer=None")
+    without = set()  # optimizer keys of parameters that had no state when saved: not read
+    if optimizer is not None:
+        for key in flat:
+            if key.startswith("optim.state.") and not any(key.startswith(f"optim.state.{f}.") for f in want):
+                without.add(key)
+    missing = sorted(k for k in flat if k not in saved and k not in without)
+    unexpected = sorted(k for k in saved if k.split(".")[0] in ("model", "optim") and k not in flat
+                        and (optimizer is not None or not k.startswith("optim.")))
+    reshaped = [f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(v.shape)}" for k, v in flat.items()
+                if k in saved and isinstance(v, torch.Tensor) and hasattr(saved[k], "size")
+                and tuple(saved[k].size) != tuple(v.shape)]
+    problems = [f"{len(keys)} key(s) {label}: {keys[:10]}" + (f" (+{len(keys) - 10} more)" if len(keys) > 10 else "")
+                for label, keys in (("missing from the checkpoint", missing), ("not in the model/optimizer", unexpected),
+                                    ("of another shape", reshaped)) if keys]
     if problems:
-        raise CheckpointError(f"checkpoint {path} does not match the model/optimizer: " + "; ".join(problems))
+        optim_only = all(k.startswith("optim.") for k in missing + unexpected + reshaped)
+        hint = " (to load the weights alone, pass optimizer=None)" if optimizer is not None and optim_only else ""
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model/optimizer{hint}: " + "; ".join(problems))
+    request = {k: v for k, v in flat.items() if k not in without}
+
+    # Extras are rebuilt from the saved structure; tensors are read into the live object's tensor
+    # under the same key when it has one of that shape (keeps a DTensor sharded), else a new one.
+    objects, plan = _extras(extra, rng), {}
+    for name, obj in objects.items():
+        if name == "rng" and "rng" not in manifest["per_rank"]:
+            continue  # saved with rng=False
+        if name in manifest["per_rank"]:
+            if manifest["world_size"] != world:
+                if name == "rng":
+                    continue  # reseeded below
+                raise CheckpointError(
+                    f"extra {name!r} differed between ranks when {ckpt_dir} was saved at world size "
+                    f"{manifest['world_size']}; there is no right way to give it to {world} ranks. Resume at "
+                    f"{manifest['world_size']} ranks, or make its state_dict() the same on every rank (e.g. a global "
+                    "position) so it reshards")
+            shape, prefix = manifest["per_rank"][name][rank], f"rank.{rank}." + ("rng" if name == "rng" else f"extra.{name}")
+        elif name in manifest["extra"]:
+            shape, prefix = manifest["extra"][name], f"extra.{name}"
+        else:
+            raise CheckpointError(f"extra {name!r} is not in {ckpt_dir}; it holds {sorted(manifest['extra'])}")
+        live = {}
+        _, err = _capture(lambda: _flatten(obj.state_dict(), "", live))
+        for key in _leaf_keys(shape, ""):
+            meta = saved.get(prefix + key)
+            if meta is None:
+                raise CheckpointError(f"{ckpt_dir} lacks {prefix + key} of extra {name!r}")
+            have = live.get(key)
+            if hasattr(meta, "size"):  # a tensor
+                fits = isinstance(have, torch.Tensor) and tuple(have.shape) == tuple(meta.size) and have.dtype == meta.properties.dtype
+                request[prefix + key] = have if fits else torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            else:
+                request[prefix + key] = None  # filled by SafeLoadPlanner.load_bytes
+        plan[name] = (shape, prefix)
+    return structure, flat, request, plan, without
 
 
-def load(path, model, optimizer, extra=None, *, rng=True, verify=True, timeout=DEFAULT_TIMEOUT):
-    """Restore the newest committed checkpoint under path (or the checkpoint at path).
+def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, timeout=DEFAULT_TIMEOUT):
+    """Restore the newest commit under path (or the checkpoint at path); returns its step, or None.
 
-    Call on every rank. Returns the restored step, or None when there is nothing to resume.
+    Call on every rank, with the same arguments. optimizer=None loads the weights
+    (and extras, if given) alone. Loading an explicit older checkpoint is a
+    rollback: this run's next save becomes the newest commit, and a step of the
+    abandoned branch with the same number is moved aside, not overwritten.
     """
     group = checkpoint_group(timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.abspath(path)
 
-    # 1-2. Agree on the path; rank 0 chooses the checkpoint so all ranks load the same one.
-    seen = _all_gather(path, group, "load: agree on path")
-    if len(set(seen)) > 1:
-        raise CheckpointError("load() was given different paths on different ranks: "
-                              + ", ".join(f"rank {r}: {p}" for r, p in enumerate(seen)))
-    chosen, err = _capture(find_checkpoint, path) if rank == 0 else (None, None)
-    _check_all(err, group, f"load: find a checkpoint in {path}")
-    ckpt_dir = _from_rank0(chosen, group, "load: share choice")
+    # 1-2. Agree; rank 0 chooses the checkpoint so all ranks load the same one.
+    _check_all(None, group, "load()", {"path": path, "optimizer": optimizer is not None,
+                                       "extra": sorted(extra or {}), "rng": rng, "verify": verify})
+
+    def choose():
+        found = find_checkpoint(path)
+        if found != path:  # path is a root we will write to: claim it before training starts
+            _claim(path, STALE_AFTER)
+        return (found, *_capture(read_manifest, found)) if found else (None, None, None)
+
+    ckpt_dir, manifest, damaged = _rank0(choose, group, f"load: find a checkpoint in {path}")
     if ckpt_dir is None:
         return None
 
-    # 3. Verify files, each rank a share of them.
-    manifest, err = _capture(read_manifest, ckpt_dir)
-    if not err and verify:
-        errors = verify_files(ckpt_dir, manifest, rank, world)
-        err = "; ".join(errors) if errors else None
-    try:
-        _check_all(err, group, f"load: verify {ckpt_dir}")
-    except CheckpointError as e:
+    def refuse(e):
         older = _older(ckpt_dir)
         hint = f" The newest older committed checkpoint is {older}; pass it explicitly to load it." if older else ""
-        raise CheckpointError(f"refusing to load a damaged checkpoint: {e}.{hint}") from e
+        return CheckpointError(f"refusing to load a damaged checkpoint: {e}.{hint}")
 
-    # 4. Verify keys against DCP's metadata (read without executing anything from the file).
-    same_world = manifest["world_size"] == world
-    nested = _state(model, optimizer, extra, rng and same_world and manifest["rng"])
-    state = _flatten(nested)
-    metadata = read_metadata(ckpt_dir)
-    _check_keys(metadata, state, ckpt_dir)
-
-    # 5. Read into the live shards, then map by name onto parameters and optimizer.
+    # 3. Verify files: every file is there with its size, each rank a share of them. Checksums
+    # are checked as the bytes are read (steps 4-5), so no file is read twice.
+    if manifest is None:
+        raise refuse(damaged)
+    errors = verify_files(ckpt_dir, manifest, rank, world, checksums=False) if verify else []
     try:
-        dcp.load(state, storage_reader=SafeReader(ckpt_dir, metadata), planner=SafeLoadPlanner(),
-                 process_group=group)
+        _check_all("; ".join(errors) or None, group, f"load: verify {ckpt_dir}")
+        # 4. Verify keys against DCP's metadata (read without executing anything from the file).
+        metadata, err = _capture(read_metadata, ckpt_dir, manifest if verify else None)
+        _check_all(err, group, f"load: read {ckpt_dir}/.metadata")
+    except CheckpointError as e:
+        raise refuse(e) from e
+    prepared, err = _capture(_targets, model, optimizer, extra, rng, manifest, metadata, ckpt_dir)
+    _check_all(err, group, f"load: match {ckpt_dir} to the model")
+    structure, template, request, plan, without = prepared
+
+    # 5. Read into the live shards, each block checked before its bytes are used; a damaged block
+    # fails the load on every rank (the model may then hold part of the checkpoint: load another).
+    reader = SafeReader(ckpt_dir, metadata, manifest if verify else None)
+    try:
+        dcp.load(request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except _DCP_FAILURES as e:  # DCP raises every rank's failure on every rank
-        raise CheckpointError(f"reading {ckpt_dir} failed: {e}") from e
-    _unflatten_into(nested, state)
-    set_state_dict(model, optimizer, model_state_dict=nested["model"], optim_state_dict=nested["optim"], options=SD_OPTIONS)
-    for name, obj in (extra or {}).items():
-        obj.load_state_dict(nested["extra"][name])
-    if rng and "rng" in nested:
-        _set_rng_state(nested["rng"][str(rank)])
-    elif rng and manifest["rng"]:
+        raise (refuse(e) if "checksum" in str(e) else CheckpointError(f"reading {ckpt_dir} failed: {e}")) from e
+    _, err = _capture(_restore, model, optimizer, extra, manifest, structure, {**template, **request}, plan)
+    _check_all(err, group, f"load: restore {ckpt_dir}")
+    if rng and "rng" in manifest["per_rank"] and manifest["world_size"] != world:
         # RNG streams belong to ranks; with another world size there is no right mapping.
         seed = int(hashlib.sha256(f"{manifest['rng_seed']}-{manifest['step']}-{rank}".encode()).hexdigest()[:15], 16)
         torch.manual_seed(seed)
@@ -778,20 +1264,43 @@ def load(path, model, optimizer, extra=None, *, rng=True, verify=True, timeout=D
                         manifest["world_size"], world)
 
     # 6. Verify what was restored.
-    got = fingerprint(model, group)
+    current = get_model_state_dict(model, options=SD_OPTIONS)
+    got = fingerprint(current, group)
     bad = sorted(k for k in set(got) | set(manifest["fingerprint"]) if got.get(k) != manifest["fingerprint"].get(k))
-    if bad:
-        raise CheckpointError(f"after loading {ckpt_dir}, parameters differ from what was saved: {bad[:10]}")
-    want = manifest["optimizer"]
-    for name, p in model.named_parameters():
-        st = optimizer.state.get(p, {})
-        if p.requires_grad and want["state_keys"] and (
-            not set(want["state_keys"]) <= set(st) or (want["step"] is not None and float(st["step"]) != want["step"])
-        ):
-            raise CheckpointError(
-                f"after loading {ckpt_dir}, optimizer state of {name} is {sorted(st)} at step "
-                f"{float(st['step']) if 'step' in st else None}; saved: {want['state_keys']} at step {want['step']}"
-            )
+    err = f"after loading {ckpt_dir}, parameters differ from what was saved: {bad[:10]}" if bad else None
+    if optimizer is not None and not err:
+        err = _check_optimizer(model, optimizer, manifest["optimizer"], current)
+    _check_all(err, group, f"load: verify what {ckpt_dir} restored")
+    _parents[os.path.dirname(ckpt_dir)] = os.path.basename(ckpt_dir)  # the next save's parent (a rollback's too)
     if rank == 0:
         log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]
+
+
+def _restore(model, optimizer, extra, manifest, structure, values, plan):
+    """Hand the loaded values to the model, optimizer and extras (user code runs here)."""
+    model_sd = _unflatten(structure[0], "model", values)
+    if optimizer is None:
+        set_model_state_dict(model, model_sd, options=SD_OPTIONS)
+    else:
+        # Parameters without saved state get the placeholders torch made, then their state is dropped.
+        optim_sd = _unflatten(structure[1], "optim", values)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=SD_OPTIONS)
+        for p, names in _param_names(model, model_sd).items():
+            if not any(n in manifest["optimizer"] for n in names):
+                optimizer.state.pop(p, None)  # no state when saved: none now, as in the uninterrupted run
+    objects = _extras(extra, rng=True)
+    for name, (shape, prefix) in plan.items():
+        objects[name].load_state_dict(_unflatten(shape, prefix, values))
+
+
+def _check_optimizer(model, optimizer, want, model_sd):
+    """Every parameter's optimizer state has the saved keys at the saved step (or none, if it had none)."""
+    for p, names in _param_names(model, model_sd).items():
+        saved = next((want[n] for n in names if n in want), [[], None])
+        st = optimizer.state.get(p, {})
+        step = float(st["step"]) if "step" in st else None
+        if sorted(st) != sorted(k for k in saved[0] if "." not in k) or step != saved[1]:
+            return (f"optimizer state of {names[0]} is {sorted(st)} at step {step} after loading; saved: "
+                    f"{saved[0]} at step {saved[1]}")
+    return None

@@ -1,0 +1,214 @@
+"""What saves, loads: the state users hand ckpt.py, round-tripped in one process (world size 1, gloo).
+
+Guards against checkpoints that save but never load (a OneCycleLR or a list of dicts
+in `extra`, an empty dict, numpy values), values refused only at resume time, a
+weights-only load that is impossible, and a fingerprint that misses misplaced data.
+Multi-rank layouts are in tests/test_setups.py.
+
+    python -m pytest -v tests/test_state.py
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import ckpt
+
+np = pytest.importorskip("numpy")  # numpy is in requirements.txt (torch's object collectives need it)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        self.unused = torch.nn.Linear(4, 4)  # trainable, never gets a gradient (unless a test uses it)
+
+    def forward(self, x, branch=False):
+        return self.unused(self.body(x)) if branch else self.body(x)
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def train(model, opt, steps, sched=None):
+    for i in range(steps):
+        x = torch.randn(4, 8)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if sched:
+            sched.step()
+
+
+class Box:
+    """An extra whose state is whatever the test puts in it."""
+
+    def __init__(self, state=None):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, sd):
+        self.state = sd
+
+
+def same(a, b):
+    """Exact equality through nested containers, tensors and numpy values, types included."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if type(a).__module__ == "numpy":
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return a == b or (a != a and b != b)
+
+
+def schedulers(opt):
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=50)
+    return one_cycle
+
+
+def test_state_kinds_round_trip_exactly(tmp_path):
+    """OneCycleLR, SequentialLR, a disabled GradScaler, empty containers, tuples, numpy values and
+    non-string keys: each extra's state_dict() after load equals the one saved, types included."""
+    model, opt = make()
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=50)
+    train(model, opt, 3, one_cycle)
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    seq = torch.optim.lr_scheduler.SequentialLR(opt2, [torch.optim.lr_scheduler.ConstantLR(opt2, total_iters=2),
+                                                       torch.optim.lr_scheduler.ExponentialLR(opt2, 0.9)], [2])
+    for _ in range(3):
+        opt2.step()
+        seq.step()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    rng = np.random.default_rng(5)
+    odd = Box({"empty": {}, "nested": [[], (1, 2.5, None), {"a": [True, b"x", "s"]}], 3: "int key",
+               "np": np.arange(6, dtype=np.float32).reshape(2, 3), "np_scalar": np.int64(7),
+               "np_rng": np.random.RandomState(3).get_state(), "gen": rng.bit_generator.state,
+               "big": 2**100, "nan": float("nan"), "t": torch.arange(5), "dtype": torch.bfloat16})
+    extra = {"one_cycle": one_cycle, "seq": seq, "scaler": scaler, "odd": odd}
+    saved = {k: v.state_dict() for k, v in extra.items()}
+    path = ckpt.save(str(tmp_path), 3, model, opt, extra)
+
+    model2, opt_b = make(seed=1)
+    one_cycle_b = torch.optim.lr_scheduler.OneCycleLR(opt_b, max_lr=0.1, total_steps=50)
+    opt2_b = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    seq_b = torch.optim.lr_scheduler.SequentialLR(opt2_b, [torch.optim.lr_scheduler.ConstantLR(opt2_b, total_iters=2),
+                                                           torch.optim.lr_scheduler.ExponentialLR(opt2_b, 0.9)], [2])
+    extra_b = {"one_cycle": one_cycle_b, "seq": seq_b, "scaler": torch.amp.GradScaler("cpu", enabled=False),
+               "odd": Box({})}  # a fresh object whose state looks nothing like the saved one
+    assert ckpt.load(path, model2, opt_b, extra_b) == 3
+    mismatched = [k for k in saved if not same(saved[k], extra_b[k].state_dict())]
+    print(f"\n{len(saved)} extras round-tripped; mismatched: {mismatched}")
+    assert mismatched == []
+    assert one_cycle_b.get_last_lr() == one_cycle.get_last_lr()
+
+
+def test_unsupported_value_is_refused_at_save(tmp_path):
+    """A value load() could not restore safely is refused by save(), naming the key and type; nothing is written."""
+    model, opt = make()
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.save(str(tmp_path), 1, model, opt, {"data": Box({"it": {"pos": 3, "f": open}})})
+    print(f"\n{e.value}")
+    assert "extra 'data'" in str(e.value) and ".it.f" in str(e.value) and "builtin_function_or_method" in str(e.value)
+    assert ckpt.committed_steps(str(tmp_path)) == []
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-step")]
+
+
+def test_params_without_optimizer_state_stay_without(tmp_path):
+    """A parameter that never had a gradient has no optimizer state after a resume, as in the
+    uninterrupted run; the others are at the saved step."""
+    model, opt = make()
+    train(model, opt, 2)
+    unused = set(model.unused.parameters())
+    assert all(p not in opt.state for p in unused)
+    path = ckpt.save(str(tmp_path), 2, model, opt)
+    model2, opt2 = make(seed=1)
+    ckpt.load(path, model2, opt2)
+    stateless = [n for n, p in model2.named_parameters() if p not in opt2.state]
+    steps = {float(s["step"]) for s in opt2.state.values()}
+    print(f"\nwithout optimizer state after load: {stateless}; steps of the others: {steps}")
+    assert stateless == ["unused.weight", "unused.bias"]
+    assert steps == {2.0}
+
+
+def test_parameters_at_different_steps(tmp_path):
+    """A branch used only on some steps leaves its parameters at an older optimizer step; save and load accept it."""
+    model, opt = make()
+    train(model, opt, 2)
+    model(torch.randn(2, 8), branch=True).sum().backward()  # only the once-used branch steps now
+    for p in model.parameters():
+        if p not in set(model.unused.parameters()):
+            p.grad = None
+    opt.step()
+    opt.zero_grad()
+    before = {n: float(opt.state[p]["step"]) for n, p in model.named_parameters() if p in opt.state}
+    path = ckpt.save(str(tmp_path), 3, model, opt)
+    model2, opt2 = make(seed=1)
+    ckpt.load(path, model2, opt2)
+    after = {n: float(opt2.state[p]["step"]) for n, p in model2.named_parameters() if p in opt2.state}
+    print(f"\nsteps before: {before}\nsteps after:  {after}")
+    assert after == before and len(set(before.values())) == 2
+
+
+def test_weights_only_load_and_optimizer_mismatch(tmp_path):
+    """optimizer=None restores the weights; an optimizer of another kind is refused with a hint."""
+    model, opt = make()
+    train(model, opt, 2)
+    path = ckpt.save(str(tmp_path), 2, model, opt)
+    model2, _ = make(seed=1)
+    assert ckpt.load(path, model2, None) == 2
+    diff = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+               for a, b in zip(model.parameters(), model2.parameters()))
+    print(f"\nweights-only load: max |diff| = {diff:.3e}")
+    assert diff == 0
+    model3, _ = make(seed=1)
+    sgd = torch.optim.SGD(model3.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ckpt.CheckpointError, match="optimizer=None"):
+        ckpt.load(path, model3, sgd)
+
+
+def test_fingerprint_sees_position_and_ignores_layout():
+    """The fingerprint is the same however a tensor is cut into shards, and changes when two rows
+    swap or a shard lands at the wrong offset (a plain sum would not see either)."""
+    t = torch.randn(6, 5)
+    whole = ckpt._weighted_sum(t, (0, 0))
+    rows = (ckpt._weighted_sum(t[:4], (0, 0)) + ckpt._weighted_sum(t[4:], (4, 0))) % ckpt._P
+    cols = (ckpt._weighted_sum(t[:, :2], (0, 0)) + ckpt._weighted_sum(t[:, 2:], (0, 2))) % ckpt._P
+    swapped = ckpt._weighted_sum(t[[1, 0, 2, 3, 4, 5]], (0, 0))
+    shifted = (ckpt._weighted_sum(t[:4], (2, 0)) + ckpt._weighted_sum(t[4:], (0, 0))) % ckpt._P
+    flipped = t.clone()
+    flipped.view(torch.int32)[3, 3] ^= 1
+    print(f"\nwhole {whole}, by rows {rows}, by columns {cols}; swapped rows {swapped}, misplaced shard {shifted}, "
+          f"one bit {ckpt._weighted_sum(flipped, (0, 0))}")
+    assert whole == rows == cols
+    assert len({whole, swapped, shifted, ckpt._weighted_sum(flipped, (0, 0))}) == 4
+    big = torch.randn(3_000_000)  # several blocks of the chunked sum, 1-D
+    assert ckpt._weighted_sum(big, (0,)) == (ckpt._weighted_sum(big[:1_234_567], (0,)) +
+                                             ckpt._weighted_sum(big[1_234_567:], (1_234_567,))) % ckpt._P
