@@ -148,7 +148,8 @@ def checkpoint_group(timeout=DEFAULT_TIMEOUT, purpose="coordination"):
     if not dist.is_initialized():
         raise CheckpointError("ckpt needs torch.distributed to be initialized (init_process_group)")
     if (timeout, purpose) not in _groups:
-        _groups[timeout, purpose] = dist.new_group(backend="gloo", timeout=timeout)
+        _groups[timeout, purpose] = _collective(lambda: dist.new_group(backend="gloo", timeout=timeout), None,
+                                                "create ckpt's process group")
     return _groups[timeout, purpose]
 
 
@@ -174,7 +175,7 @@ def _check_all(error, group, what, args=None):
     One all-reduce when all is well: the max of a failure flag, of a hash h of the arguments and of -h
     (equal hashes iff max(h) == -max(-h)). Messages are exchanged only when something is wrong.
     """
-    text = " ".join(f"{k}={v}" for k, v in (args or {}).items())
+    text = " ".join(f"{k}={v}".replace(" ", "") for k, v in (args or {}).items())
     h = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
     t = torch.tensor([0 if error is None else 1, h, -h], dtype=torch.int64)
     _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), group, what)
@@ -182,8 +183,10 @@ def _check_all(error, group, what, args=None):
         seen = [None] * dist.get_world_size(group)
         _collective(lambda: dist.all_gather_object(seen, (error, text), group=group), group, what)
         if t[1].item() != -t[2].item():
-            raise CheckpointError(f"{what} was given different arguments on different ranks: "
-                                  + ", ".join(f"rank {r}: {a}" for r, (_, a) in enumerate(seen)))
+            values = [dict(kv.split("=", 1) for kv in a.split(" ")) for _, a in seen]
+            differ = [k for k in values[0] if len({v.get(k) for v in values}) > 1]
+            raise CheckpointError(f"{what} was given different arguments on different ranks: " + ", ".join(
+                f"rank {r}: " + " ".join(f"{k}={v.get(k)}" for k in differ) for r, v in enumerate(values)))
         failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e]
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
 
@@ -378,7 +381,13 @@ def close():
     wait), stops the refresher thread and destroys ckpt's process groups: none of
     them may outlive the default group they were made from.
     """
-    wait_pending()
+    try:
+        wait_pending()
+    finally:
+        _release()
+
+
+def _release():
     for root, (run, stop, refresher) in list(_claims.items()):
         stop.set()
         refresher.join()
@@ -745,13 +754,17 @@ class _RNG:
 
 
 def _digest(flat):
-    """A digest of plain leaves, to tell whether an extra is the same on every rank."""
+    """A digest of the leaves that are not DTensors: equal on every rank, or DCP keeps one rank's copy."""
     h = hashlib.sha256()
     for k, v in flat.items():
         h.update(k.encode())
         if isinstance(v, DTensor):
             continue  # a global tensor: DCP stores its shards, whatever each rank holds
-        h.update(pickle.dumps(v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v))
+        if isinstance(v, torch.Tensor):  # pickles of equal tensors differ between processes: hash the bytes
+            h.update(f"{v.dtype}{tuple(v.shape)}".encode())
+            h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(pickle.dumps(v))
     return h.hexdigest()
 
 
@@ -828,13 +841,13 @@ def _weighted_sum(local, offsets):
     return total.item()
 
 
-def fingerprint(model_sd, group, strict=False):
+def fingerprint(model_sd, group):
     """{fqn: int} over the model's state, identical under any sharding, replication or world size.
 
     Each element is counted once: a DTensor's shard by the replica whose coordinate
     is 0 on every Replicate mesh dimension (HSDP keeps a copy per replica), at the
-    global offset DCP stores it at. A plain tensor is the same on every rank, since
-    DCP keeps one copy of it: with strict=True (at save) a rank that differs is an error.
+    global offset DCP stores it at. A plain tensor counts on rank 0 (save() checks that
+    it is the same on every rank, since DCP keeps one copy of it).
     """
     tensors = {fqn: t for fqn, t in model_sd.items() if isinstance(t, torch.Tensor)}
 
@@ -854,14 +867,6 @@ def fingerprint(model_sd, group, strict=False):
     _collective(lambda: dist.all_reduce(total, group=group), group, "fingerprint")
     if total[-1].item():
         _check_all(err, group, "fingerprint")
-    if strict:
-        plain = [s if not isinstance(t, DTensor) else 0 for s, t in zip(sums, tensors.values())]
-        spread = torch.tensor(plain + [-p for p in plain], dtype=torch.int64)
-        _collective(lambda: dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group), group, "fingerprint")
-        differ = [f for i, f in enumerate(tensors) if spread[i].item() != -spread[len(plain) + i].item()]
-        if differ:
-            raise CheckpointError(f"tensors that are not DTensors differ between ranks: {differ[:10]}; DCP would "
-                                  "keep only one rank's copy. Make them equal (e.g. sync them) or shard them")
     return {fqn: total[i].item() % _P for i, fqn in enumerate(tensors)}
 
 
@@ -914,6 +919,9 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     collected, err = _capture(_collect, model, optimizer, extra, rng)
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save,
             "optimizer": optimizer is not None, "extra": sorted(extra or {})}
+    # Values that are not DTensors (model buffers, optimizer steps and options) are stored once by DCP: they
+    # must be equal on every rank (they differ after a load that failed part-way, say).
+    args["replicated_values"] = _capture(lambda: _digest({k: v for k, v in collected[1].items()}))[0]
     _check_all(err, group, "save()", args)
     model_sd, flat, extras, summary = collected
     # An extra that differs between ranks would be de-duplicated by DCP to one rank's copy: keep it per rank.
@@ -926,7 +934,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     for name, (structure, leaves) in extras.items():
         prefix = f"rank.{rank}.{name}" if name == "rng" else f"rank.{rank}.extra.{name}" if name in per_rank else f"extra.{name}"
         flat.update({prefix + k: v for k, v in leaves.items()})
-    prints = fingerprint(model_sd, group, strict=True)
+    prints = fingerprint(model_sd, group)
 
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on mkdir/rmtree.
     tmp, final = _rank0(_prepare, group, f"save: prepare step {step} in {root}", root, step)
@@ -1061,7 +1069,7 @@ def _describe_own(tmp):
     return out
 
 
-_parents = {}  # root -> the commit this run's state descends from (loaded or last saved)
+_parents = {}  # root -> (name, seq) of the commit this run's state descends from (loaded or last saved)
 
 
 def _prepare(root, step):
@@ -1069,13 +1077,16 @@ def _prepare(root, step):
     _claim(root, STALE_AFTER)
     final = step_dir(root, step)
     if os.path.exists(final):
-        owner = read_manifest(final).get("run") if os.path.isfile(os.path.join(final, MANIFEST)) else None
-        if owner == _claims[root][0]:
-            raise CheckpointError(f"{final} already exists: this run saved step {step} before")
-        # Written by another run or an abandoned branch (a rollback): keep it, out of load()'s way.
+        seq = (_capture(read_manifest, final)[0] or {}).get("seq", 0)
+        parent, parent_seq = _parents.get(root, ("scratch", 0))
+        if seq <= parent_seq:  # our state descends from it: saving the same step again would overwrite history
+            raise CheckpointError(f"{final} already exists and this run's state descends from it: refusing to "
+                                  f"overwrite a committed checkpoint")
+        # Committed after the state we continue from: a branch given up by a rollback (or an earlier run
+        # started over). Keep it out of load()'s way; retention removes it in commit order.
         aside = os.path.join(root, f".abandoned-step-{step:08d}-{uuid.uuid4().hex[:8]}")
         os.rename(final, aside)
-        log.warning("moved %s aside to %s: this run continues from %s", final, aside, _parents.get(root, "scratch"))
+        log.warning("moved %s aside to %s: this run continues from %s", final, aside, parent)
     # DCP assumes an empty directory: old .metadata beside new shards would be trusted. A unique name
     # means a leftover we could not delete never blocks a later save.
     tmp = os.path.join(root, f"{TMP_PREFIX}step-{step:08d}-{uuid.uuid4().hex[:8]}")
@@ -1095,21 +1106,26 @@ def _commit_rank0(pending, parts):
     if ".metadata" not in on_disk or sorted(files) != on_disk:
         raise CheckpointError(f"{tmp} holds {on_disk} but ranks reported {sorted(files)}")
     commits = _commits(root)
-    manifest = dict(pending.manifest, files=files, run=_claims[root][0], parent=_parents.get(root),
-                    seq=commits[-1][0] + 1 if commits else 1,  # commit order: "newest" even after a rollback
+    seq = commits[-1][0] + 1 if commits else 1  # commit order: "newest" even after a rollback
+    manifest = dict(pending.manifest, files=files, run=_claims[root][0], parent=_parents.get(root, (None,))[0],
+                    seq=seq,
                     per_rank={n: [p["structures"][n] for p in parts] for n in pending.manifest["per_rank"]})
     _write_manifest(tmp, manifest)
     fsync_dir(tmp)
     os.rename(tmp, final)  # atomic: the checkpoint appears whole or not at all
     fsync_dir(root)  # without this a power cut can undo the rename
-    _parents[root] = os.path.basename(final)
+    _parents[root] = (os.path.basename(final), seq)
     # 6. Retain: after the commit, so a crash here never leaves fewer good checkpoints.
     if pending.keep:
         _retain(root, pending.keep)
 
 
 def _retain(root, keep):
-    commits = [n for _, n in _commits(root)]
+    try:
+        commits = [n for _, n in _commits(root)]
+    except OSError as e:  # the new checkpoint is committed: a failed clean-up must not fail the save
+        log.warning("retention: could not list %s: %s", root, e)
+        return
     for name in commits[: max(len(commits) - max(keep, 1), 0)]:  # by commit order; never the newest
         trash = os.path.join(root, f"{TMP_PREFIX}delete-{name.lstrip('.')}")
         try:
@@ -1271,7 +1287,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     if optimizer is not None and not err:
         err = _check_optimizer(model, optimizer, manifest["optimizer"], current)
     _check_all(err, group, f"load: verify what {ckpt_dir} restored")
-    _parents[os.path.dirname(ckpt_dir)] = os.path.basename(ckpt_dir)  # the next save's parent (a rollback's too)
+    _parents[os.path.dirname(ckpt_dir)] = (os.path.basename(ckpt_dir), manifest["seq"])  # the next save's parent
     if rank == 0:
         log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]

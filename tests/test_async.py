@@ -49,7 +49,7 @@ fault, where = os.environ["ASYNC_FAULT"], os.environ["ASYNC_DIR"]
 
 
 def write_data(self, plan, planner):
-    if dist.get_rank() != {rank} or not str(self.path).endswith("step-{step:08d}"):
+    if dist.get_rank() != {rank} or ".tmp-step-{step:08d}-" not in str(self.path):
         return real_write(self, plan, planner)
     if fault == "delay":
         open(os.path.join(where, "held"), "w").close()
@@ -72,6 +72,16 @@ def launch_faulty(d, fault, args, **kw):
     wrapper.write_text(WRAPPER.format(repo=REPO, train=TRAIN, rank=FAULT_RANK, step=HOLD_STEP))
     env = dict(os.environ, ASYNC_FAULT=fault, ASYNC_DIR=str(d))
     return torchrun(COMMON + args, script=str(wrapper), env=env, **kw)
+
+
+def listing(root):
+    """The root's entries, temporary names without their unique suffix, the run's claim (.owner.json) left out."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(n.rsplit("-", 1)[0] if n.startswith(".tmp-step-") else n for n in names if n != ".owner.json")
+
+
+def tmp_dir(root, step):
+    return next(os.path.join(root, n) for n in os.listdir(root) if n.startswith(f".tmp-step-{step:08d}-"))
 
 
 def wait_for(predicate, timeout):
@@ -102,7 +112,7 @@ def held(tmp_path_factory):
         seen = wait_for(lambda: (d / "held").exists() and logged() >= HOLD_STEP + 4, timeout=100)
         time.sleep(0.5)  # a commit that wrongly did not wait would have happened by now
         during = {"seen": seen, "logged": logged(), "committed": ckpt.committed_steps(str(root)),
-                  "listing": sorted(os.listdir(root)) if root.exists() else []}
+                  "listing": listing(root)}
         (d / "release").touch()
         _, out = run.result()
     return d, read_log(log_file), during, out
@@ -145,8 +155,7 @@ def killed(tmp_path_factory):
     rc, _ = launch_faulty(d, "kill", ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "crash.jsonl")],
                           check=False, timeout=150)
     crash = {"rc": rc, "elapsed": time.monotonic() - t0, "committed": ckpt.committed_steps(str(d / "ckpt")),
-             "listing": sorted(os.listdir(d / "ckpt")),
-             "partial": sorted(os.listdir(d / "ckpt" / f".tmp-step-{HOLD_STEP:08d}"))}
+             "listing": listing(d / "ckpt"), "partial": sorted(os.listdir(tmp_dir(d / "ckpt", HOLD_STEP)))}
     _, out = torchrun(COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--resume",
                                 "--stop-after", "9"])
     return d, crash, out, ckpt.committed_steps(str(d / "ckpt"))
@@ -162,7 +171,7 @@ def test_rank_killed_during_background_write(held, killed):
     assert crash["committed"] == [4] and crash["listing"] == [f".tmp-step-{HOLD_STEP:08d}", "step-00000004"]
     assert "__1_0.distcp" in crash["partial"], "rank 1 should have died after writing its shard"
     assert "resumed from step 4" in out
-    assert "removing" in out and f".tmp-step-{HOLD_STEP:08d}" in out, "the stale temporary directory must be cleared"
+    assert "left by an interrupted save" in out and f".tmp-step-{HOLD_STEP:08d}" in out, "the stale temporary directory must be cleared"
     log = read_log(d / "log.jsonl")
     assert sorted(log) == list(range(5, 10))
     assert_same_losses(ref, log, list(range(5, 10)), "resumed at step 4 after the kill")
@@ -296,10 +305,11 @@ except ckpt.CheckpointError as e:
 errors = [None] * world
 dist.all_gather_object(errors, err)
 result["failed"] = {{"errors": errors, "committed": ckpt.committed_steps(os.path.join(root, "staged")),
-                    "listing": sorted(os.listdir(os.path.join(root, "staged")))}}
+                    "listing": sorted(n.rsplit("-", 1)[0] if n.startswith(".tmp-step-") else n
+                                      for n in os.listdir(os.path.join(root, "staged")) if n != ".owner.json")}}
 if rank == 0:
     print("RESULT " + json.dumps(result), flush=True)
-dist.barrier()  # leave together: a rank tearing down gloo under a busy peer can abort it
+ckpt.close()
 dist.destroy_process_group()
 '''
 
