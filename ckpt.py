@@ -1301,8 +1301,9 @@ def _restore(model, optimizer, extra, manifest, structure, values, plan):
     else:
         # Parameters without saved state get the placeholders torch made, then their state is dropped.
         optim_sd = _unflatten(structure[1], "optim", values)
+        names_of = _param_names(model, model_sd)  # before set_state_dict, which renames keys of a compiled model
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=SD_OPTIONS)
-        for p, names in _param_names(model, model_sd).items():
+        for p, names in names_of.items():
             if not any(n in manifest["optimizer"] for n in names):
                 optimizer.state.pop(p, None)  # no state when saved: none now, as in the uninterrupted run
     objects = _extras(extra, rng=True)
