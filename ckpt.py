@@ -15,36 +15,40 @@ rank writes only its own shards, nothing is gathered. What save() commits, load(
 restores exactly, or save() refuses it before writing, naming the key.
 
 Save protocol (save()):
-  1. Agree. Ranks check that they were given the same arguments (a hash, one
-     all-reduce); rank 0 claims the root for this run (root/.owner.json), so a
-     second live run on the same root is refused instead of deleting our files.
-  2. Collect. Model and optimizer state by canonical parameter name; each extra
-     object's state_dict(), flattened the one way load() rebuilds it; RNG. An
-     extra whose state differs between ranks is stored once per rank. A value
-     load() could not restore safely is refused here, on every rank.
-  3. Prepare. Rank 0 creates root/.tmp-step-N-<id>; every rank checks it can see
-     it (a node-local root would scatter the shards over several disks).
+  1. Collect. Model and optimizer state by canonical parameter name; each extra
+     object's state_dict(), flattened the one way load() rebuilds it; RNG. A
+     value load() could not restore safely is refused here, naming the key.
+  2. Agree, in one all-reduce: no rank failed in 1, every rank was given the same
+     arguments, and values DCP stores once (model buffers, optimizer steps) are
+     equal on every rank. An extra whose state differs between ranks is stored
+     once per rank (DCP would keep one rank's copy).
+  3. Prepare. Rank 0 claims the root for this run (root/.owner.json: a second
+     live run is refused instead of deleting our files) and creates
+     root/.tmp-step-N-<id>; every rank checks it can see it (a node-local root
+     would scatter the shards over several disks).
   4. Write. dcp.save() writes each rank's shards; any rank's failure is raised
-     on every rank. Each rank checksums the files it wrote.
-  5. Commit. Rank 0 writes manifest.json (checksums, fingerprint, structure of
-     the extras, commit sequence number), fsyncs it and renames the directory to
-     root/step-N: readers see all of it or nothing.
+     on every rank. Each rank checksums the files it wrote, by 16 MB blocks.
+  5. Commit. Rank 0 gathers the checksums, writes manifest.json (checksums,
+     fingerprint, structure of the extras, commit sequence number), fsyncs it
+     and renames the directory to root/step-N: readers see all of it or nothing.
   6. Retain. Rank 0 deletes the oldest commits beyond `keep`; never the newest.
   With async_save=True, save() returns after step 4 has copied the state to host
   memory; the write and checksums finish in a background thread, and steps 5-6
   run in PendingSave.wait(), which every rank calls (the next save calls it too).
 
 Load protocol (load()):
-  1. Agree, as in save step 1.
+  1. Agree on the arguments, as in save step 2.
   2. Choose. Rank 0 picks the newest commit under the root (by commit order, so
      a rollback's branch wins over older, higher-numbered steps), or the
-     checkpoint directory it was given.
-  3. Verify files: sizes and checksums against the manifest, spread over ranks.
-  4. Verify keys. DCP's .metadata is read through a restricted unpickler (no code
-     from the checkpoint runs); model and optimizer keys must match it.
+     checkpoint directory it was given, and claims a root it will write to.
+  3. Verify files: every file the manifest lists is there with its size.
+  4. Verify keys. DCP's .metadata is checksummed and read through a restricted
+     unpickler (no code from the checkpoint runs); model and optimizer keys and
+     shapes must match it.
   5. Read. dcp.load() reads into the live sharded tensors (resharding if the
-     layout changed); set_state_dict() maps optimizer state by name; extras are
-     rebuilt from the structure saved with them and handed to load_state_dict().
+     layout changed), every block checked against its checksum before its bytes
+     are used; set_state_dict() maps optimizer state by name; extras are rebuilt
+     from the structure saved with them and handed to load_state_dict().
   6. Verify values: the parameter fingerprint and every parameter's optimizer
      state (which keys, which step) must equal what was saved.
   Any step that fails on one rank fails every rank at the next agreement, within
@@ -54,8 +58,8 @@ On-disk layout:
     root/
       .owner.json               the run that writes here (host, pid, job), refreshed while it lives
       step-00000100/            committed: renamed into place after every rank wrote
-        manifest.json           ours: step, commit sequence, world size, fingerprint,
-                                size and checksum of every file, structure of the extras
+        manifest.json           ours: step, commit sequence, world size, fingerprint, size
+                                and block checksums of every file, structure of the extras
         .metadata               DCP: which key lives in which file (pickle)
         __0_0.distcp            DCP: rank 0's shards of every tensor
         __1_0.distcp            DCP: rank 1's shards ...
@@ -770,6 +774,8 @@ def _digest(flat):
 
 def _extras(extra, rng):
     objects = dict(extra or {})
+    if "rng" in objects:
+        raise CheckpointError("extra 'rng': ckpt saves the RNG state under this name itself (rng=True); rename yours")
     if rng:
         objects["rng"] = _RNG()  # the name is ours: user extras live under extra.<name>, RNG under rank.<r>.rng
     return objects
@@ -1199,7 +1205,7 @@ def _targets(model, optimizer, extra, rng, manifest, metadata, ckpt_dir):
         else:
             raise CheckpointError(f"extra {name!r} is not in {ckpt_dir}; it holds {sorted(manifest['extra'])}")
         live = {}
-        _, err = _capture(lambda: _flatten(obj.state_dict(), "", live))
+        _capture(lambda: _flatten(obj.state_dict(), "", live))  # a fresh object may not even have a state yet
         for key in _leaf_keys(shape, ""):
             meta = saved.get(prefix + key)
             if meta is None:
