@@ -852,7 +852,7 @@ def fingerprint(model_sd, group):
 
     Each element is counted once: a DTensor's shard by the replica whose coordinate
     is 0 on every Replicate mesh dimension (HSDP keeps a copy per replica), at the
-    global offset DCP stores it at. A plain tensor counts on rank 0 (save() checks that
+    global offset DCP stores it at, and once per copy of its mesh with weight 1/copies. A plain tensor counts on rank 0 (save() checks that
     it is the same on every rank, since DCP keeps one copy of it).
     """
     tensors = {fqn: t for fqn, t in model_sd.items() if isinstance(t, torch.Tensor)}
@@ -863,7 +863,11 @@ def fingerprint(model_sd, group):
         coord = t.device_mesh.get_coordinate() or []
         if not all(c == 0 for c, p in zip(coord, t.placements) if p.is_replicate()):
             return 0
-        return _weighted_sum(t.to_local(), t.__create_chunk_list__()[0].offsets)  # where DCP stores this shard
+        # A DTensor on a sub-mesh (FSDP over "dp" beside tensor parallel) has one whole copy per sub-mesh:
+        # weigh each copy by 1/copies, exact modulo the prime, so the copies add up to one.
+        copies = dist.get_world_size() // t.device_mesh.size()
+        local = _weighted_sum(t.to_local(), t.__create_chunk_list__()[0].offsets)  # where DCP stores this shard
+        return local * pow(copies, -1, _P) % _P
 
     sums, err = _capture(lambda: [local(fqn, t) for fqn, t in tensors.items()])
     sums = sums or [0] * len(tensors)
