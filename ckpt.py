@@ -186,11 +186,14 @@ def _check_all(error, group, what, args=None):
     if t[0].item() or t[1].item() != -t[2].item():
         seen = [None] * dist.get_world_size(group)
         _collective(lambda: dist.all_gather_object(seen, (error, text), group=group), group, what)
-        if t[1].item() != -t[2].item():
+        if not t[0].item():  # a rank that failed reports no arguments worth comparing: its error comes first
             values = [dict(kv.split("=", 1) for kv in a.split(" ")) for _, a in seen]
             differ = [k for k in values[0] if len({v.get(k) for v in values}) > 1]
+            hint = (". Values that are not DTensors (model buffers, optimizer steps and options) must be equal on "
+                    "every rank, since DCP stores one copy: did a load fail part-way? Load a checkpoint first"
+                    if "replicated_values" in differ else "")
             raise CheckpointError(f"{what} was given different arguments on different ranks: " + ", ".join(
-                f"rank {r}: " + " ".join(f"{k}={v.get(k)}" for k in differ) for r, v in enumerate(values)))
+                f"rank {r}: " + " ".join(f"{k}={v.get(k)}" for k in differ) for r, v in enumerate(values)) + hint)
         failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e]
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
 
@@ -985,19 +988,17 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     # tensor once. It is ours, so we close it once the write is done.
     stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                           use_async_staging=False, use_non_blocking_copy=False))
-    try:
-        upload = dcp.async_save(flat, storage_writer=writer, planner=planner, process_group=background,
-                                async_stager=stager)
-    except _DCP_FAILURES as e:
-        upload, err = None, f"{type(e).__name__}: {e}"
-    else:
-        err = None
+    # Staged before anything collective starts, so a rank that cannot stage (out of host memory)
+    # fails every rank here, with no write of the others left waiting for it.
+    staged, err = _capture(stager.stage, flat)
+    if err:
+        stager.close()
     _check_all(err, group, "save: stage the state")
-    # async_save returned: the state is copied to host memory; training may change parameters now.
+    # The state is copied to host memory: training may change parameters now.
 
     def write():
         try:
-            return upload.result()
+            return dcp.save(staged, storage_writer=writer, planner=planner, process_group=background)
         finally:
             stager.close()
 
@@ -1079,7 +1080,16 @@ def _describe_own(tmp):
     return out
 
 
-_parents = {}  # root -> (name, seq) of the commit this run's state descends from (loaded or last saved)
+_parents = {}  # root -> name of the commit this run's state descends from (loaded or last saved)
+
+
+def _ancestors(root):
+    """Names of the commits this run's state descends from, by their manifests' parent links."""
+    names, name = set(), _parents.get(root)
+    while name and name not in names:
+        names.add(name)
+        name = (_capture(read_manifest, os.path.join(root, name))[0] or {}).get("parent")
+    return names
 
 
 def _prepare(root, step):
@@ -1087,16 +1097,14 @@ def _prepare(root, step):
     _claim(root, STALE_AFTER)
     final = step_dir(root, step)
     if os.path.exists(final):
-        seq = (_capture(read_manifest, final)[0] or {}).get("seq", 0)
-        parent, parent_seq = _parents.get(root, ("scratch", 0))
-        if seq <= parent_seq:  # our state descends from it: saving the same step again would overwrite history
+        if os.path.basename(final) in _ancestors(root):  # our state descends from it: keep history as it is
             raise CheckpointError(f"{final} already exists and this run's state descends from it: refusing to "
                                   f"overwrite a committed checkpoint")
         # Committed after the state we continue from: a branch given up by a rollback (or an earlier run
         # started over). Keep it out of load()'s way; retention removes it in commit order.
         aside = os.path.join(root, f".abandoned-step-{step:08d}-{uuid.uuid4().hex[:8]}")
         os.rename(final, aside)
-        log.warning("moved %s aside to %s: this run continues from %s", final, aside, parent)
+        log.warning("moved %s aside to %s: this run continues from %s", final, aside, _parents.get(root, "scratch"))
     # DCP assumes an empty directory: old .metadata beside new shards would be trusted. A unique name
     # means a leftover we could not delete never blocks a later save.
     tmp = os.path.join(root, f"{TMP_PREFIX}step-{step:08d}-{uuid.uuid4().hex[:8]}")
@@ -1117,14 +1125,14 @@ def _commit_rank0(pending, parts):
         raise CheckpointError(f"{tmp} holds {on_disk} but ranks reported {sorted(files)}")
     commits = _commits(root)
     seq = commits[-1][0] + 1 if commits else 1  # commit order: "newest" even after a rollback
-    manifest = dict(pending.manifest, files=files, run=_claims[root][0], parent=_parents.get(root, (None,))[0],
+    manifest = dict(pending.manifest, files=files, run=_claims[root][0], parent=_parents.get(root),
                     seq=seq,
                     per_rank={n: [p["structures"][n] for p in parts] for n in pending.manifest["per_rank"]})
     _write_manifest(tmp, manifest)
     fsync_dir(tmp)
     os.rename(tmp, final)  # atomic: the checkpoint appears whole or not at all
     fsync_dir(root)  # without this a power cut can undo the rename
-    _parents[root] = (os.path.basename(final), seq)
+    _parents[root] = os.path.basename(final)
     # 6. Retain: after the commit, so a crash here never leaves fewer good checkpoints.
     if pending.keep:
         _retain(root, pending.keep)
@@ -1297,7 +1305,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     if optimizer is not None and not err:
         err = _check_optimizer(model, optimizer, manifest["optimizer"], current)
     _check_all(err, group, f"load: verify what {ckpt_dir} restored")
-    _parents[os.path.dirname(ckpt_dir)] = (os.path.basename(ckpt_dir), manifest["seq"])  # the next save's parent
+    _parents[os.path.dirname(ckpt_dir)] = os.path.basename(ckpt_dir)  # the next save's parent (a rollback's too)
     if rank == 0:
         log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]

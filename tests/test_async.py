@@ -193,7 +193,7 @@ def test_async_resume_is_bit_exact(held, killed):
 
 # Calls ckpt directly on a 2-rank FSDP2 model; rank 0 prints one RESULT line of JSON.
 DIRECT = '''
-import json, os, sys, threading
+import gc, json, os, sys, threading
 sys.path.insert(0, {repo!r})
 import torch
 import torch.distributed as dist
@@ -270,21 +270,23 @@ ckpt.load(os.path.join(root, "staged"), fresh, fresh_opt)
 loaded = snapshot(fresh, fresh_opt)
 result["staged"] = {{"n": len(loaded), "vs_saved": max_diff(loaded, at_save), "vs_modified": max_diff(loaded, modified)}}
 
-# Control: whatever stager ckpt asks for, DCP gets one that does not copy (what "offload to
-# CPU" does with tensors already there).
+# Control: ckpt gets a stager that does not copy (what "offload to CPU" does with tensors already there).
 class NoCopy(AsyncStager):
     _synchronize_after_execute = False
 
     def stage(self, state_dict):
         return state_dict
 
+    def close(self):
+        pass
 
-real_async_save = dcp.async_save
-dcp.async_save = lambda *a, **k: real_async_save(*a, **dict(k, async_stager=NoCopy()))
+
+real_stager = ckpt.DefaultStager
+ckpt.DefaultStager = lambda *a, **k: NoCopy()
 model, opt = build(3)
 at_save = snapshot(model, opt)
 save_then_modify(3, model, opt, "unstaged").wait()
-dcp.async_save = real_async_save
+ckpt.DefaultStager = real_stager
 fresh, fresh_opt = build(0)
 try:
     ckpt.load(os.path.join(root, "unstaged"), fresh, fresh_opt)
@@ -309,7 +311,9 @@ result["failed"] = {{"errors": errors, "committed": ckpt.committed_steps(os.path
                                       for n in os.listdir(os.path.join(root, "staged")) if n != ".owner.json")}}
 if rank == 0:
     print("RESULT " + json.dumps(result), flush=True)
+del model, opt, fresh, fresh_opt  # FSDP2 state holds the process group: free it before the teardown
 ckpt.close()
+gc.collect()
 dist.destroy_process_group()
 '''
 

@@ -393,7 +393,7 @@ def test_misuse(api_job, case):
 
 LOADER = r'''
 """Loads each prepared checkpoint root into train_fsdp.py's model and records the outcome per rank."""
-import datetime, json, os, sys
+import datetime, gc, json, os, sys
 sys.path.insert(0, os.environ["REPO"])
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 import ckpt, train_fsdp
@@ -443,7 +443,9 @@ record("evil_bytes", lambda: ckpt.load(evil_root, model, opt, {"evil": Holder({"
 # Control: stock DCP reads the same item with torch.load(weights_only=False), and the payload runs.
 ckpt.save(evil_root, 2, model, opt, {"evil": Holder({"payload": Evil(f"{canaries}/stock-dcp-canary")})})
 dcp.load({"extra.evil.payload": 0}, checkpoint_id=ckpt.step_dir(evil_root, 2))
+del model, opt, sched
 ckpt.close()
+gc.collect()  # FSDP2 state holds the process group: free it before the teardown
 dist.destroy_process_group()
 '''
 
