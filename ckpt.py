@@ -635,23 +635,33 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class _VerifiedBlocks:
-    """Reads byte ranges of a file through its checked 16 MB blocks; ranges must come in file order."""
+    """Reads byte ranges of a file through its checked 16 MB blocks; ranges must come in file order.
+
+    The blocks a range spans are read into one reused buffer and checked there; the range is copied
+    out once (as bytes, which io.BytesIO then shares instead of copying again).
+    """
 
     def __init__(self, path, checksums):
-        self.path, self.checksums, self.f, self.cache = path, checksums, open(path, "rb"), {}
+        self.path, self.checksums, self.f = path, checksums, open(path, "rb", buffering=0)
+        self.buf, self.first, self.count = bytearray(), 0, 0  # blocks [first, first + count) are in buf, checked
 
     def read(self, offset, length):
         first, last = offset // BLOCK, max(offset + length - 1, offset) // BLOCK
-        self.cache = {b: v for b, v in self.cache.items() if b >= first}  # ranges come in order
-        for b in range(first, last + 1):
-            if b not in self.cache:
-                self.f.seek(b * BLOCK)
-                block = self.f.read(BLOCK)
-                if b >= len(self.checksums) or _crc(block) != self.checksums[b]:
-                    raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
-                self.cache[b] = block
-        data = self.cache[first] if first == last else b"".join(self.cache[b] for b in range(first, last + 1))
-        return data[offset - first * BLOCK : offset - first * BLOCK + length]
+        keep = max(0, self.first + self.count - first) if first >= self.first else 0  # blocks already checked
+        if keep and first > self.first:  # move them to the front (rare: a range starting in a later block)
+            self.buf[: keep * BLOCK] = self.buf[(first - self.first) * BLOCK : (first - self.first + keep) * BLOCK]
+        need = (last - first + 1) * BLOCK
+        if len(self.buf) < need:
+            self.buf.extend(bytes(need - len(self.buf)))
+        view = memoryview(self.buf)
+        for b in range(first + keep, last + 1):
+            chunk = view[(b - first) * BLOCK : (b - first + 1) * BLOCK]
+            self.f.seek(b * BLOCK)
+            got = self.f.readinto(chunk)
+            if b >= len(self.checksums) or _crc(chunk[:got]) != self.checksums[b]:
+                raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
+        self.first, self.count = first, max(keep, last - first + 1)
+        return bytes(view[offset - first * BLOCK : offset - first * BLOCK + length])
 
     def close(self):
         self.f.close()
@@ -829,6 +839,7 @@ _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _weighted_sum(local, offsets):
+    """Σ bits(x) * (1 + Σ_d global_coordinate_d(x)) mod _P over one shard at its global offsets."""
     x = local.detach()
     if x.is_complex():
         x, offsets = torch.view_as_real(x), (*offsets, 0)
@@ -837,17 +848,42 @@ def _weighted_sum(local, offsets):
     if x.numel() == 0:
         return 0
     v = x.view(_INT[x.element_size()])
-    rows = max(1, (1 << 22) // max(1, v[0].numel()))  # blocks of ~4M elements bound the int64 temporaries
-    total = torch.zeros((), dtype=torch.int64, device=v.device)
+    # = (1 + Σ_d offset_d) * S + Σ_d M_d, with S the sum of the bits and M_d = Σ_k k * (sum of the slice k along d).
+    if v.dim() == 1:  # rows of K: index i = r*K + c, so M = K * M_rows + M_columns (+ a short tail)
+        K, n = 1024, v.numel()
+        m = n // K * K
+        S, (m_rows, m_cols) = _moments(v[:m].view(-1, K)) if m else (0, (0, 0))
+        tail = v[m:].to(torch.int64) % _P
+        index = torch.arange(m, n, dtype=torch.int64, device=v.device)
+        S = (S + tail.sum().item()) % _P
+        M = (K * m_rows + m_cols + (tail * index % _P).sum().item()) % _P
+        return ((1 + offsets[0]) % _P * S + M) % _P
+    S, M = _moments(v)
+    return ((1 + sum(offsets)) % _P * S + sum(M)) % _P
+
+
+def _moments(v):
+    """(S, [M_d]) of an integer view (see _weighted_sum), modulo _P, coordinates from 0."""
+    # Blocks of rows widened into one reused int64 buffer: integer sums of int32 are slow in torch,
+    # and a fresh int64 copy of a whole shard costs its page faults and its memory.
+    rows = max(1, (1 << 20) // v[0].numel())
+    buf = torch.empty(min(v.numel(), rows * v[0].numel()), dtype=torch.int64, device=v.device)
+    margins = [torch.zeros(n, dtype=torch.int64, device=v.device) for n in v.shape]
     for start in range(0, v.shape[0], rows):
-        block = v[start : start + rows].to(torch.int64) % _P
-        total += block.sum() % _P
-        for d in range(block.dim()):
-            margin = block.sum(dim=[i for i in range(block.dim()) if i != d]) if block.dim() > 1 else block
-            coord = torch.arange(margin.numel(), dtype=torch.int64, device=v.device) + offsets[d] + (start if d == 0 else 0)
-            total += (margin % _P * (coord % _P) % _P).sum() % _P
-        total %= _P
-    return total.item()
+        block = v[start : start + rows]
+        w = buf[: block.numel()].view(block.shape)
+        w.copy_(block)
+        if v.element_size() == 8:
+            w %= _P  # 64-bit patterns: reduced first, so that no sum below can overflow
+        for d in range(w.dim()):
+            part = w.sum(dim=[i for i in range(w.dim()) if i != d]) % _P  # each |sum| < 2**31 * 2**32
+            if d == 0:
+                margins[0][start : start + rows] = part
+            else:
+                margins[d] = (margins[d] + part) % _P
+    S = margins[0].sum().item() % _P
+    M = [(m * torch.arange(m.numel(), dtype=torch.int64, device=v.device) % _P).sum().item() % _P for m in margins]
+    return S, M
 
 
 def fingerprint(model_sd, group):

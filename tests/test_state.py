@@ -209,6 +209,10 @@ def test_fingerprint_sees_position_and_ignores_layout():
           f"one bit {ckpt._weighted_sum(flipped, (0, 0))}")
     assert whole == rows == cols
     assert len({whole, swapped, shifted, ckpt._weighted_sum(flipped, (0, 0))}) == 4
+    # The definition, element by element: bits * (1 + sum of global coordinates), modulo the prime.
+    bits = t.view(torch.int32).to(torch.int64)
+    rows, cols = torch.arange(6)[:, None] + 10, torch.arange(5)[None, :] + 20
+    assert ckpt._weighted_sum(t, (10, 20)) == int((bits * (1 + rows + cols)).sum() % ckpt._P)
     big = torch.randn(3_000_000)  # several blocks of the chunked sum, 1-D
     assert ckpt._weighted_sum(big, (0,)) == (ckpt._weighted_sum(big[:1_234_567], (0,)) +
                                              ckpt._weighted_sum(big[1_234_567:], (1_234_567,))) % ckpt._P
