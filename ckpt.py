@@ -618,7 +618,7 @@ class SafeReader(dcp.FileSystemReader):
                 where = self.storage_data[item.storage_index]
                 if getattr(where, "transform_descriptors", None):
                     raise CheckpointError(f"{name}: transformed (e.g. compressed) items are not supported")
-                data = io.BytesIO(blocks.read(where.offset, where.length))
+                data = blocks.read(where.offset, where.length)
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, data)
                     continue
@@ -635,36 +635,78 @@ class SafeReader(dcp.FileSystemReader):
 
 
 class _VerifiedBlocks:
-    """Reads byte ranges of a file through its checked 16 MB blocks; ranges must come in file order.
-
-    The blocks a range spans are read into one reused buffer and checked there; the range is copied
-    out once (as bytes, which io.BytesIO then shares instead of copying again).
+    """A file read through its checksummed 16 MB blocks: read(offset, length) returns a file-like view of
+    that range, whose reads copy out of blocks that were checked when they were read. A few blocks are
+    kept, in reused buffers, so the zip reads of torch.load (directory at the end, then the data in
+    order) rarely read a block twice, and no memory is allocated per range.
     """
+
+    KEEP = 3
 
     def __init__(self, path, checksums):
         self.path, self.checksums, self.f = path, checksums, open(path, "rb", buffering=0)
-        self.buf, self.first, self.count = bytearray(), 0, 0  # blocks [first, first + count) are in buf, checked
+        self.blocks, self.spare = {}, []  # block number -> memoryview of its checked bytes, most recent last
+
+    def block(self, b):
+        view = self.blocks.pop(b, None)
+        if view is None:
+            if b >= len(self.checksums):
+                raise CheckpointError(f"{self.path} is longer than its checksums say (corrupted)")
+            if len(self.blocks) >= self.KEEP:  # the least recently used block's buffer is reused
+                self.spare.append(self.blocks.pop(next(iter(self.blocks))).obj)
+            full = memoryview(self.spare.pop() if self.spare else bytearray(BLOCK))
+            self.f.seek(b * BLOCK)
+            n = 0
+            while n < BLOCK and (got := self.f.readinto(full[n:])):
+                n += got
+            view = full[:n]
+            if _crc(view) != self.checksums[b]:
+                raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
+        self.blocks[b] = view
+        return view
 
     def read(self, offset, length):
-        first, last = offset // BLOCK, max(offset + length - 1, offset) // BLOCK
-        keep = max(0, self.first + self.count - first) if first >= self.first else 0  # blocks already checked
-        if keep and first > self.first:  # move them to the front (rare: a range starting in a later block)
-            self.buf[: keep * BLOCK] = self.buf[(first - self.first) * BLOCK : (first - self.first + keep) * BLOCK]
-        need = (last - first + 1) * BLOCK
-        if len(self.buf) < need:
-            self.buf.extend(bytes(need - len(self.buf)))
-        view = memoryview(self.buf)
-        for b in range(first + keep, last + 1):
-            chunk = view[(b - first) * BLOCK : (b - first + 1) * BLOCK]
-            self.f.seek(b * BLOCK)
-            got = self.f.readinto(chunk)
-            if b >= len(self.checksums) or _crc(chunk[:got]) != self.checksums[b]:
-                raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
-        self.first, self.count = first, max(keep, last - first + 1)
-        return bytes(view[offset - first * BLOCK : offset - first * BLOCK + length])
+        return _BlockView(self, offset, length)
 
     def close(self):
         self.f.close()
+        self.blocks, self.spare = {}, []
+
+
+class _BlockView(io.RawIOBase):
+    """Bytes [offset, offset + length) of a _VerifiedBlocks file, as a read-only file for torch.load."""
+
+    def __init__(self, blocks, offset, length):
+        self.blocks, self.offset, self.length, self.pos = blocks, offset, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def readinto(self, out):
+        out = memoryview(out).cast("B")
+        n = max(0, min(len(out), self.length - self.pos))
+        done = 0
+        while done < n:
+            at = self.offset + self.pos + done
+            block = self.blocks.block(at // BLOCK)
+            start = at % BLOCK
+            take = min(n - done, len(block) - start)
+            if take <= 0:
+                raise CheckpointError(f"{self.blocks.path} is shorter than its checksums say (truncated)")
+            out[done : done + take] = block[start : start + take]
+            done += take
+        self.pos += n
+        return n
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        self.pos = (offset, self.pos + offset, self.length + offset)[whence]
+        return self.pos
+
+    def tell(self):
+        return self.pos
 
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
@@ -1286,6 +1328,8 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
 
     def choose():
         found = find_checkpoint(path)
+        if found == path and not os.path.isdir(path):
+            raise CheckpointError(f"{path}: no such checkpoint directory")
         if found != path:  # path is a root we will write to: claim it before training starts
             _claim(path, STALE_AFTER)
         return (found, *_capture(read_manifest, found)) if found else (None, None, None)
