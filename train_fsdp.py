@@ -2,16 +2,20 @@
 
     torchrun --standalone --nproc_per_node 2 train_fsdp.py               # train 200 steps, save every 50
     torchrun --standalone --nproc_per_node 2 train_fsdp.py --resume      # continue from the newest checkpoint
+    torchrun --standalone --nproc_per_node 2 train_fsdp.py --resume-from checkpoints/step-00000100  # roll back
+    torchrun --standalone --nproc_per_node 4 train_fsdp.py --hsdp 2      # HSDP: 2 replicas x 2 shards
     python train_fsdp.py --steps 20                                      # one process, no torchrun
     ./run_multinode.sh --resume                                          # several nodes (see README)
 
-CPU with gloo when there is no GPU; CUDA with NCCL and bf16 mixed precision when there is.
+CPU with gloo when there is no GPU; CUDA with NCCL and bf16 mixed precision when there is. FSDP2 keeps
+fp32 master weights whatever --mixed-precision says: the optimizer and the checkpoints see fp32.
 Parameter names follow Hugging Face Llama, so consolidate.py output loads in `transformers`.
 """
 
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import logging
 import math
@@ -25,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import ckpt
@@ -43,6 +48,9 @@ def get_args(argv=None):
     g.add_argument("--save-every", type=int, default=50, help="save every K steps (0: only at the end)")
     g.add_argument("--keep", type=int, default=3, help="keep the newest K committed checkpoints")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
+    g.add_argument("--resume-from", metavar="PATH", default=None, help="continue from this checkpoint (e.g. "
+                   "an older step-NNNNNNNN, to roll back after a loss spike); implies --resume, saves still go "
+                   "to --ckpt-dir")
     g.add_argument("--ckpt-timeout", type=float, default=3600, help="checkpoint collectives timeout, seconds")
     g.add_argument("--async-save", action="store_true", help="write periodic checkpoints in the background")
     g.add_argument("--init-from", default=None, help="start from consolidated safetensors (file or directory)")
@@ -53,6 +61,13 @@ def get_args(argv=None):
     g.add_argument("--n-heads", type=int, default=4)
     g.add_argument("--ffn-dim", type=int, default=None, help="SwiGLU hidden size (default about 8/3 * dim)")
     g.add_argument("--dropout", type=float, default=0.1, help="residual dropout (makes resume depend on RNG state)")
+    g.add_argument("--tie-embeddings", action="store_true", help="lm_head.weight is model.embed_tokens.weight")
+    g = p.add_argument_group("parallelism and precision")
+    g.add_argument("--hsdp", type=int, default=None, metavar="R", help="HSDP: R replicas, each sharded over "
+                   "world/R ranks (2-D mesh R x world/R); default: shard over all ranks")
+    g.add_argument("--mixed-precision", choices=("fp32", "bf16"), default=None, help="compute dtype of forward "
+                   "and backward; master weights, gradient reduction and checkpoints stay fp32 (default: bf16 on "
+                   "CUDA, fp32 on CPU)")
     g = p.add_argument_group("data and optimization")
     g.add_argument("--data", default=None, help="train on this file's bytes instead of the synthetic corpus")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -64,6 +79,9 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if args.ffn_dim is None:
         args.ffn_dim = 8 * ((8 * args.dim // 3 + 7) // 8)
+    if args.mixed_precision is None:
+        args.mixed_precision = "bf16" if torch.cuda.is_available() else "fp32"
+    args.resume = args.resume or args.resume_from is not None
     return args
 
 
@@ -146,6 +164,8 @@ class LlamaLM(nn.Module):
         super().__init__()
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one Parameter under both names, as HF's tie_word_embeddings
+            self.lm_head.weight = self.model.embed_tokens.weight
         head_dim = cfg.dim // cfg.n_heads
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
         freqs = torch.outer(torch.arange(cfg.seq_len).float(), inv_freq)
@@ -172,7 +192,7 @@ def hf_config(args):
         "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_heads, "max_position_embeddings": args.seq_len,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
     }
 
@@ -270,10 +290,18 @@ def init_distributed(timeout_s):
 def build_model(args, device):
     torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shard
     model = LlamaLM(args).to(device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    # HSDP: each parameter is sharded over a "shard" group and its gradient all-reduced across the R replicas.
+    mesh = init_device_mesh(device.type, (args.hsdp, dist.get_world_size() // args.hsdp),
+                            mesh_dim_names=("replicate", "shard")) if args.hsdp else None
+    # bf16 is the compute dtype only: FSDP2 keeps the sharded parameters (what the optimizer steps and
+    # ckpt saves) in fp32 and casts a copy at each all-gather; gradients are reduced in fp32.
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = bf16 if args.mixed_precision == "bf16" else MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    # The root group holds embed_tokens, norm and lm_head: a tied embed_tokens/lm_head weight must live in a
+    # single group (fully_shard refuses a Parameter shared by two).
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -305,6 +333,17 @@ def main(argv=None):
     try:
         return train(args, device, rank, world)
     finally:
+        teardown()
+
+
+def teardown():
+    try:
+        ckpt.close()  # commits a save in flight, releases the root, ends ckpt's thread and process groups
+    finally:
+        # FSDP2 keeps its gloo group's worker threads alive past destroy_process_group(); one still releasing a
+        # collective issued in backward needs the GIL, and at interpreter shutdown that kills it mid-destructor
+        # (SIGABRT). gc.collect() first holds us long enough that the next bytecode hands them the GIL.
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -316,6 +355,10 @@ def train(args, device, rank, world):
         raise SystemExit(f"--batch-size {args.batch_size} is not divisible by the world size {world} (the global "
                          f"batch is split evenly over ranks): run on a number of ranks that divides it ({', '.join(fits)}), "
                          f"or use a --batch-size that is a multiple of {world}")
+    if args.hsdp and (args.hsdp < 1 or world % args.hsdp):
+        fits = [str(r) for r in range(1, world + 1) if world % r == 0]
+        raise SystemExit(f"--hsdp {args.hsdp} does not divide the world size {world} (the mesh is R replicas x "
+                         f"world/R shards): use one of {', '.join(fits)}")
     say = print if rank == 0 else (lambda *a, **k: None)
     corpus = None
     if args.data:
@@ -324,7 +367,6 @@ def train(args, device, rank, world):
         if len(corpus) <= args.seq_len + 1 or args.vocab_size < 256:
             raise SystemExit(f"--data needs more than {args.seq_len + 1} bytes and --vocab-size >= 256")
 
-    ckpt_group = ckpt.checkpoint_group(args.ckpt_timeout)  # created up front, on every rank
     ckpt.check_root(args.ckpt_dir, timeout=args.ckpt_timeout)  # a bad --ckpt-dir fails now, not at the first save
     model = build_model(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -333,7 +375,9 @@ def train(args, device, rank, world):
     extra = {"scheduler": sched, "train": state}
 
     if args.resume:
-        found = ckpt.load(args.ckpt_dir, model, opt, extra, timeout=args.ckpt_timeout)
+        found = ckpt.load(args.resume_from or args.ckpt_dir, model, opt, extra, timeout=args.ckpt_timeout)
+        if found is None and args.resume_from:  # a rollback must not quietly start over
+            raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
         say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: starting from step 0")
     if state.step == 0 and args.init_from:
         init_from(model, args.init_from, rank)
@@ -395,9 +439,6 @@ def train(args, device, rank, world):
                 say("preempted (SIGTERM on some rank): checkpoint saved, exiting")
             if done:
                 break
-    # Rank 0 may still be deleting old checkpoints (retention): no rank tears down the process
-    # groups under it.
-    dist.barrier(group=ckpt_group)
     return 0
 
 
