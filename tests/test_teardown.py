@@ -22,7 +22,7 @@ if __package__ in (None, ""):
 from tests.harness import REPO, torchrun  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tests", "teardown_script.py")
-RUNS = int(os.environ.get("TEARDOWN_RUNS", "2"))
+RUNS = int(os.environ.get("TEARDOWN_RUNS", "1"))  # CI: one launch per variant (the thread check is deterministic)
 
 
 def launches(n, tmp, flags):
