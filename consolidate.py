@@ -17,14 +17,19 @@ lm_head.weight, ...); optimizer, extra and RNG entries are left out.
 Steps:
   1. Find. CKPT is a committed checkpoint or a checkpoint root (then its newest committed one, as
      ckpt.load would choose). A .tmp- directory or a step directory without manifest.json is refused.
-  2. Verify, before anything is written: every file's size and sha256 against the manifest
-     (--no-checksum checks sizes only: a missing or truncated shard is still caught).
-  3. Plan. Names, shapes and dtypes come from DCP's .metadata, read by ckpt.read_metadata (a restricted
-     unpickler: no code from the checkpoint runs). Tensors are packed greedily, in checkpoint order, into
-     files of at most --max-shard-size, so every file's safetensors header is known before a tensor is read.
-  4. Stream. Per file: write the header, then read its tensors in groups of at most READ_GROUP bytes with
-     dcp.load(no_dist=True) into freshly allocated full-size tensors, cast, append, free. Peak memory is one
-     group plus torch itself, whatever the size of the model or of the output files.
+  2. Check, before anything is written: the manifest's own digest, the size of every file it lists, and
+     the checksum of DCP's .metadata, which is then read by ckpt.read_metadata (a restricted unpickler: no
+     code from the checkpoint runs).
+  3. Plan. Names, shapes and dtypes come from .metadata. Tensors are packed greedily, in checkpoint order,
+     into files of at most --max-shard-size, so every file's safetensors header is known before a tensor is read.
+  4. Stream. Each file's tensors are read in groups of at most READ_GROUP bytes, by dcp.load(no_dist=True)
+     into freshly allocated full-size tensors, in READERS threads; the main thread writes them in order and
+     frees them. Peak memory is IN_FLIGHT bytes of groups (or one tensor, if larger) plus torch itself,
+     whatever the model's size.
+     Reads go through ckpt.SafeReader, which checks every block it reads against the manifest's checksums
+     before the bytes are used: exactly what is exported is read and verified, and optimizer state, 2/3 of
+     a checkpoint, is neither read nor checked (--no-checksum: sizes only; a truncated shard is still caught).
+     The written bytes go to the disk in the background (fdatasync every SYNC_EVERY bytes), while reading goes on.
   5. Commit. Everything goes into a temporary directory beside OUT; each file is fsynced and re-opened with
      safetensors.safe_open to check its names and shapes; then the directory is renamed to OUT. OUT may not
      be inside the checkpoint root: ckpt.py refuses a root that holds anything but checkpoints.
@@ -57,7 +62,10 @@ from safetensors import safe_open
 
 import ckpt
 
-READ_GROUP = 128 * 2**20  # bytes per dcp.load call: bounds memory; larger only amortizes DCP's planning
+READ_GROUP = 64 * 2**20  # bytes per dcp.load call; larger amortizes DCP's planning and the blocks two groups share
+IN_FLIGHT = 2 * READ_GROUP  # bytes of groups being read or written at once: the memory bound
+READERS = 2  # threads calling dcp.load; reads, checksums and copies release the GIL, so reading overlaps writing
+SYNC_EVERY = 256 * 2**20  # written bytes between background fdatasyncs: the disk writes while we read
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # safetensors' names for torch dtypes.
 ST_DTYPES = {
@@ -99,33 +107,19 @@ def find(path):
     return found
 
 
-def verify(ckpt_dir, checksums=True):
-    """Read the manifest and check every file it lists (step 2); returns the manifest."""
+def check(ckpt_dir, checksums=True):
+    """The manifest (its digest checked), every listed file's size, and DCP's metadata (step 2)."""
     manifest = ckpt.read_manifest(ckpt_dir)
-    if checksums:
-        # Hashing is most of the cost (every file, optimizer state included); hashlib and file reads
-        # release the GIL, so threads, each taking a share of the files as ranks do in ckpt.load, use every core.
-        workers = max(1, min(os.cpu_count() or 1, len(manifest["files"])))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            shares = pool.map(lambda r: ckpt.verify_files(ckpt_dir, manifest, r, workers), range(workers))
-            errors = [e for share in shares for e in share]
-    else:
-        errors = []
-        for name, want in sorted(manifest["files"].items()):
-            p = os.path.join(ckpt_dir, name)
-            if not os.path.isfile(p):
-                errors.append(f"{p} is missing")
-            elif os.path.getsize(p) != want["bytes"]:
-                errors.append(f"{p} has {os.path.getsize(p)} bytes, the manifest says {want['bytes']}")
+    errors = ckpt.verify_files(ckpt_dir, manifest, checksums=False)  # a stat per file; the data is checked as read
     if errors:
         raise ConsolidateError(f"checkpoint {ckpt_dir} is damaged, nothing written: " + "; ".join(errors))
-    return manifest
+    return manifest, ckpt.read_metadata(ckpt_dir, manifest if checksums else None)
 
 
-def plan(ckpt_dir, dtype, max_bytes):
+def plan(ckpt_dir, metadata, dtype, max_bytes):
     """[[Entry, ...] per output file], in checkpoint order (step 3)."""
     entries = []
-    for key, md in ckpt.read_metadata(ckpt_dir).state_dict_metadata.items():
+    for key, md in metadata.state_dict_metadata.items():
         if not key.startswith("model.") or not hasattr(md, "chunks"):
             continue  # optimizer, extra, RNG; and non-tensor items, which weights do not have
         dtype_in = md.properties.dtype
@@ -181,20 +175,69 @@ def write_tensor(f, t):
         f.write((ctypes.c_char * n).from_address(t.data_ptr()))
 
 
-def write_file(path, entries, ckpt_dir, progress):
-    with open(path, "wb") as f:
-        f.write(header(entries))
-        for run in groups(entries):
-            # Only this group's keys: DCP reads just their chunks, from every rank's file.
-            state = {e.key: torch.empty(e.shape, dtype=e.dtype_in) for e in run}
-            with warnings.catch_warnings():  # DCP warns that no process group exists: one process is the point
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, storage_reader=ckpt.SafeReader(ckpt_dir), planner=ckpt.SafeLoadPlanner(), no_dist=True)
-            for e in run:  # in header order
-                write_tensor(f, state.pop(e.key).to(e.dtype_out))  # pop: free each tensor once written
-                progress(1, e.nbytes)
-        f.flush()
+def read_group(ckpt_dir, metadata, manifest, run):
+    """One group's tensors, full size, in their output dtype (in a reader thread)."""
+    state = {e.key: torch.empty(e.shape, dtype=e.dtype_in) for e in run}
+    try:
+        # Only this group's keys: DCP reads just their chunks, from every rank's file.
+        dcp.load(state, storage_reader=ckpt.SafeReader(ckpt_dir, metadata, manifest), planner=ckpt.SafeLoadPlanner(),
+                 no_dist=True)
+    except dcp.CheckpointException as e:  # a BaseException; its failures hold (the reader's error, its stack)
+        cause = next((f[0] if isinstance(f, tuple) else f for f in e.failures.values()), e)
+        raise ConsolidateError(f"checkpoint {ckpt_dir} is damaged, nothing written: {cause}") from e
+    return [state.pop(e.key).to(e.dtype_out) for e in run]
+
+
+def stream(ckpt_dir, metadata, manifest, paths, files, progress):
+    """Write each output file's header and tensors; reads run ahead in threads, within IN_FLIGHT bytes (step 4)."""
+    per_file = [list(groups(entries)) for entries in files]
+    runs = [run for file_runs in per_file for run in file_runs]  # in the order they are written
+    nbytes = lambda run: sum(e.dtype_in.itemsize * torch.Size(e.shape).numel() for e in run)  # noqa: E731
+    readers = concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="consolidate-read")
+    syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="consolidate-sync")
+    ahead, synced, opened, next_run = collections.deque(), [], [], 0
+
+    def read_ahead():
+        nonlocal next_run
+        # Always one group in flight, even a single tensor larger than IN_FLIGHT; otherwise within the bound.
+        while next_run < len(runs) and (not ahead or sum(n for n, _ in ahead) + nbytes(runs[next_run]) <= IN_FLIGHT):
+            ahead.append((nbytes(runs[next_run]), readers.submit(read_group, ckpt_dir, metadata, manifest, runs[next_run])))
+            next_run += 1
+
+    def close_synced(f):
         os.fsync(f.fileno())  # on disk before the rename publishes it
+        f.close()
+
+    # DCP warns that no process group exists (one process is the point); in the reader threads too, and
+    # until the last read has stopped, on an error as well.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            for path, entries, file_runs in zip(paths, files, per_file):
+                f = open(path, "wb")
+                opened.append(f)
+                f.write(header(entries))
+                unsynced = 0
+                for run in file_runs:
+                    read_ahead()
+                    tensors = ahead.popleft()[1].result()  # its bytes count against IN_FLIGHT until written
+                    for e in run:
+                        write_tensor(f, tensors.pop(0))  # each tensor freed once written
+                        progress(1, e.nbytes)
+                        unsynced += e.nbytes
+                    if unsynced >= SYNC_EVERY:  # the kernel would otherwise start writing only at the final fsync
+                        f.flush()
+                        synced.append(syncer.submit(os.fdatasync, f.fileno()))
+                        unsynced = 0
+                f.flush()
+                synced.append(syncer.submit(close_synced, f))
+            for job in synced:
+                job.result()
+        finally:
+            readers.shutdown(wait=True, cancel_futures=True)  # on an error, no read outlives this call
+            syncer.shutdown(wait=True)
+            for f in opened:
+                f.close()
 
 
 def check_file(path, entries):
@@ -241,9 +284,9 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
     if os.path.commonpath([out, ckpt_dir]) == ckpt_dir or (os.path.dirname(out) == root and ckpt.committed_steps(root)):
         # ckpt.py refuses a root holding anything but step-NNNNNNNN directories: training could not resume.
         raise ConsolidateError(f"{out} is inside the checkpoint root {root}: write the output elsewhere")
-    manifest = verify(ckpt_dir, checksums)
-    verified = time.monotonic() - t0
-    files = plan(ckpt_dir, DTYPES[dtype], max_shard_size)
+    manifest, metadata = check(ckpt_dir, checksums)
+    files = plan(ckpt_dir, metadata, DTYPES[dtype], max_shard_size)
+    planned = time.monotonic() - t0
     names = ["model.safetensors"] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     total = sum(e.nbytes for entries in files for e in entries)
@@ -260,9 +303,10 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; OUT gets the usual permissions
     try:
-        for name, entries in zip(names, files):
-            write_file(os.path.join(tmp, name), entries, ckpt_dir, progress)
-            check_file(os.path.join(tmp, name), entries)
+        paths = [os.path.join(tmp, name) for name in names]
+        stream(ckpt_dir, metadata, manifest if checksums else None, paths, files, progress)
+        for path, entries in zip(paths, files):
+            check_file(path, entries)
         if len(files) > 1:
             weight_map = {e.name: name for name, entries in zip(names, files) for e in entries}
             write_json(os.path.join(tmp, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -277,7 +321,7 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
     seconds = time.monotonic() - t0
     if not quiet:
         print(f"consolidate: wrote {out} ({len(files)} file(s), {total / 1e6:.1f} MB) in {seconds:.2f} s "
-              f"(verify {verified:.2f} s, stream {seconds - verified:.2f} s)", file=sys.stderr)
+              f"(check and plan {planned:.2f} s, stream {seconds - planned:.2f} s)", file=sys.stderr)
     return {"checkpoint": ckpt_dir, "files": names, "tensors": progress.tensors, "bytes": total, "seconds": seconds}
 
 
@@ -315,7 +359,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of floating-point weights")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest output file, e.g. 5GB, 500MB")
     p.add_argument("--overwrite", action="store_true", help="replace OUT, once the new output is complete")
-    p.add_argument("--no-checksum", action="store_true", help="check file sizes only, skip sha256 (faster)")
+    p.add_argument("--no-checksum", action="store_true", help="check file sizes only, not the checksums of what is read")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
     try:

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -195,33 +196,64 @@ def test_transformers_loads_and_matches(reference, fp32_out):
     assert diff <= 1e-4
 
 
+@contextlib.contextmanager
+def world_of_one():
+    """A gloo process group of one rank in this process, enough for ckpt.save (a torchrun launch costs seconds)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        ckpt.close()
+        dist.destroy_process_group()
+
+
+class TiedLM(torch.nn.Module):
+    """The names of train_fsdp.LlamaLM, with lm_head.weight and model.embed_tokens.weight one Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(256, 64)
+        self.model.norm = torch.nn.LayerNorm(64, bias=False)
+        self.lm_head = torch.nn.Linear(64, 256, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, idx):
+        return self.lm_head(self.model.norm(self.model.embed_tokens(idx)))
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_tied_weights(tmp_path):
-    """Two names for one tensor (tied embed_tokens / lm_head) are both written, and safetensors reads them.
+    """Two names for one tensor (tied embed_tokens / lm_head) are both written, safetensors reads them, and
+    config.json keeps tie_word_embeddings, so transformers ties them again on load.
 
     safetensors.torch.save_file refuses tensors that share memory ("Some tensors share memory"): the control
-    shows the hazard with the very tensors saved here. The checkpoint is written by dcp.save in this process
-    (world of one) with ckpt's manifest, as ckpt.save would lay it out.
+    shows the hazard with the very tensor saved here. The checkpoint is written by ckpt.save in this process
+    (a world of one), with an optimizer step taken and the model_config train_fsdp.py stores.
     """
     from safetensors.torch import save_file
 
-    w = torch.randn(256, 64)
-    d = tmp_path / "root" / "step-00000001"
-    state = {"model.model.embed_tokens.weight": w, "model.lm_head.weight": w, "model.model.norm.weight": torch.ones(64),
-             "optim.state.lm_head.weight.exp_avg": torch.zeros(256, 64)}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(d), no_dist=True)
-    files = {n: ckpt._describe(d / n) for n in os.listdir(d)}
-    ckpt._write_manifest(d, {"format": ckpt.FORMAT, "step": 1, "world_size": 1, "files": files, "meta": {}})
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.arange(8)).square().mean().backward()
+    opt.step()
+    config = {"hidden_size": 64, "vocab_size": 256, "tie_word_embeddings": True, "torch_dtype": "float32"}
+    with world_of_one():
+        ckpt.save(tmp_path / "root", 1, model, opt, meta={"model_config": config})
+    w = model.lm_head.weight.detach()
     with pytest.raises(RuntimeError, match="share memory"):
         save_file({"model.embed_tokens.weight": w, "lm_head.weight": w}, str(tmp_path / "naive.safetensors"))
 
-    assert consolidate.main([str(tmp_path / "root"), str(tmp_path / "out"), "--quiet"]) == 0
+    assert consolidate.main([str(tmp_path / "root"), str(tmp_path / "out"), "--quiet", "--dtype", "bf16"]) == 0
     got = read_all(tmp_path / "out")
-    same = torch.equal(got["lm_head.weight"], w) and torch.equal(got["model.embed_tokens.weight"], w)
-    print(f"\ntied pair written as {sorted(got)}; both equal the tied tensor: {same}")
+    same = torch.equal(got["lm_head.weight"], w.bfloat16()) and torch.equal(got["model.embed_tokens.weight"], w.bfloat16())
+    written = json.load(open(tmp_path / "out" / "config.json"))
+    print(f"\ntied pair written as {sorted(got)}; both equal the tied tensor cast to bf16: {same}; "
+          f"config.json: tie_word_embeddings={written.get('tie_word_embeddings')}, torch_dtype={written['torch_dtype']}")
     assert sorted(got) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
     assert same
-    assert not os.path.exists(tmp_path / "out" / "config.json")  # no model_config in meta: none invented
+    assert written == dict(config, torch_dtype="bfloat16")
 
 
 def leftovers(parent):
