@@ -1,4 +1,4 @@
-"""Stream a sharded checkpoint into Hugging Face safetensors: one CPU process, memory of about one read group.
+"""Stream a sharded checkpoint into Hugging Face safetensors: one CPU process, memory of a few read groups.
 
     python consolidate.py checkpoints out/                          # the newest committed checkpoint under checkpoints/
     python consolidate.py checkpoints/step-00000200 out/ --dtype bf16 --max-shard-size 2GB

@@ -1,10 +1,10 @@
 """Benchmark ckpt.py: against the disk's own limit, plain DCP (what torchtitan does) and the full-state-dict baseline.
 
-    python bench/bench_ckpt.py                         # dim 1024, 8 layers: 101M params, checkpoint 1.2 GB; ~15 min
-    python bench/bench_ckpt.py --quick                 # only the save and load phases (ckpt vs plain DCP vs the disk)
+    python bench/bench_ckpt.py                         # dim 1024, 8 layers: 101M params, checkpoint 1.2 GB; ~8 min
+    python bench/bench_ckpt.py --quick                 # only save and load (ckpt vs plain DCP vs the disk); ~2 min
     python bench/bench_ckpt.py --work /data            # scratch dir made (and removed) there; ~8 GB free
     python bench/bench_ckpt.py --devices cpu,cuda      # also on GPUs (needs one GPU per rank)
-    python bench/bench_ckpt.py --coordination          # tiny model at 2, 4, 8 ranks: time and bytes sent per rank
+    python bench/bench_ckpt.py --coordination          # tiny model at 2, 4, 8 ranks: time and bytes per rank; ~3 min
 
 Every phase is its own torchrun launch of this file (--phase NAME), so each starts from the same state: the
 model built by train_fsdp.build_model, sharded with FSDP2, one AdamW step taken (so the checkpoint holds
