@@ -77,6 +77,7 @@ Keys inside the DCP checkpoint (standard DCP, readable by torch's own tools):
 """
 
 import concurrent.futures
+import contextlib
 import datetime
 import hashlib
 import io
@@ -84,6 +85,7 @@ import json
 import logging
 import os
 import pickle
+import queue
 import random
 import re
 import shutil
@@ -96,6 +98,7 @@ import zlib
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -385,8 +388,9 @@ def close():
     """End ckpt's part of the run, on every rank, before dist.destroy_process_group().
 
     Commits a save in flight, releases the root (the next run needs no stale
-    wait), stops the refresher thread and destroys ckpt's process groups: none of
-    them may outlive the default group they were made from.
+    wait), stops the refresher thread, frees the async saves' host buffers and
+    destroys ckpt's process groups: none of them may outlive the default group
+    they were made from.
     """
     try:
         wait_pending()
@@ -405,6 +409,9 @@ def _release():
     for group in _groups.values():
         dist.destroy_process_group(group)
     _groups.clear()
+    for stager in _stagers:
+        stager.close()  # frees the async saves' host copy of the state
+    _stagers.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -418,17 +425,108 @@ CHECKSUM = "crc32"
 BLOCK = 1 << 24
 
 
-def _crc(data):
-    return f"{zlib.crc32(data):08x}"
+def _crc(data, value=0):
+    return zlib.crc32(data, value)  # releases the GIL on large buffers: other threads keep working
+
+
+def _hex(value):
+    return f"{value:08x}"
 
 
 def _checksum(path):
     with open(path, "rb") as f:
-        return [_crc(block) for block in iter(lambda: f.read(BLOCK), b"")]
+        return [_hex(_crc(block)) for block in iter(lambda: f.read(BLOCK), b"")]
 
 
-def _describe(path):
-    return {"bytes": os.path.getsize(path), CHECKSUM: _checksum(path)}
+class _ChecksumFileSystem(FileSystem):
+    """DCP's local file system, taking each written file's block checksums from the bytes as they pass,
+    so save() never reads its own files back. files: {name: {"bytes", "crc32"}} of what it wrote."""
+
+    def __init__(self):
+        super().__init__()
+        self.files = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as f:
+            if "w" not in mode:
+                yield f
+                return
+            stream = _ChecksumStream(f, path)
+            try:
+                yield stream
+            finally:
+                stream.close()  # ends its thread, on failure too
+            self.files[os.path.basename(path)] = {"bytes": stream.pos, CHECKSUM: stream.blocks}
+
+    def rename(self, path, new_path):  # DCP writes .metadata.tmp, then renames it
+        super().rename(path, new_path)
+        self.files[os.path.basename(new_path)] = self.files.pop(os.path.basename(path))
+
+
+class _ChecksumStream(io.RawIOBase):
+    """A file written front to back (as DCP writes). A thread reads each 16 MB block back as soon as it
+    is written and CRCs it, beside the writes and the fsync that follows them: the checksums cost no
+    time of their own, and they cover the bytes as the page cache holds them, on their way to disk."""
+
+    def __init__(self, f, path):
+        self.f, self.pos, self.blocks, self.error = f, 0, [], None
+        self.written = queue.SimpleQueue()  # numbers of the blocks written so far, then None
+        self.worker = threading.Thread(target=self._checksums, args=(path,), name="ckpt-checksum", daemon=True)
+        self.worker.start()
+
+    def _checksums(self, path):
+        try:
+            with open(path, "rb", buffering=0) as f:
+                buf = memoryview(bytearray(BLOCK))
+                for b in iter(self.written.get, None):
+                    self.blocks.append(_hex(_crc(buf[: _read_block(f, b, buf)])))
+        except BaseException as e:  # noqa: B036 - handed to the writer in close()
+            self.error = e
+            for _ in iter(self.written.get, None):
+                pass
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        before = self.pos // BLOCK
+        n = self.f.write(data)
+        self.pos += n
+        if self.pos // BLOCK > before:
+            self.f.flush()  # the reader must see the whole block
+            for b in range(before, self.pos // BLOCK):
+                self.written.put(b)
+        return n
+
+    def tell(self):
+        return self.pos
+
+    def fileno(self):
+        return self.f.fileno()
+
+    def flush(self):
+        self.f.flush()
+
+    def close(self):
+        if not self.closed:
+            super().close()
+            self.f.close()
+            if self.pos % BLOCK:
+                self.written.put(self.pos // BLOCK)
+            self.written.put(None)
+            self.worker.join()
+            if self.error:
+                raise self.error
+
+
+def _read_block(f, b, buf):
+    """Read block b of f into buf; returns how many bytes it holds (less than BLOCK only at the end)."""
+    f.seek(b * BLOCK)
+    n = 0
+    while n < BLOCK and (got := f.readinto(buf[n:])):
+        n += got
+    return n
 
 
 def fsync_dir(path):
@@ -579,7 +677,7 @@ def read_metadata(ckpt_dir, manifest=None):
     try:
         with open(path, "rb") as f:
             data = f.read()
-        if manifest is not None and [_crc(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)] != \
+        if manifest is not None and [_hex(_crc(data[i : i + BLOCK])) for i in range(0, len(data), BLOCK)] != \
                 manifest["files"][".metadata"][CHECKSUM]:
             raise CheckpointError(f"{path} does not match its checksum (corrupted)")
         return _MetadataUnpickler(io.BytesIO(data)).load()
@@ -655,12 +753,8 @@ class _VerifiedBlocks:
             if len(self.blocks) >= self.KEEP:  # the least recently used block's buffer is reused
                 self.spare.append(self.blocks.pop(next(iter(self.blocks))).obj)
             full = memoryview(self.spare.pop() if self.spare else bytearray(BLOCK))
-            self.f.seek(b * BLOCK)
-            n = 0
-            while n < BLOCK and (got := self.f.readinto(full[n:])):
-                n += got
-            view = full[:n]
-            if _crc(view) != self.checksums[b]:
+            view = full[: _read_block(self.f, b, full)]
+            if _hex(_crc(view)) != self.checksums[b]:
                 raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
         self.blocks[b] = view
         return view
@@ -928,13 +1022,15 @@ def _moments(v):
     return S, M
 
 
-def fingerprint(model_sd, group):
-    """{fqn: int} over the model's state, identical under any sharding, replication or world size.
+def _local_prints(model_sd):
+    """This rank's part of the fingerprint: summed over ranks (mod _P), an int per tensor of model_sd that
+    is identical under any sharding, replication or world size.
 
     Each element is counted once: a DTensor's shard by the replica whose coordinate
     is 0 on every Replicate mesh dimension (HSDP keeps a copy per replica), at the
-    global offset DCP stores it at, and once per copy of its mesh with weight 1/copies. A plain tensor counts on rank 0 (save() checks that
-    it is the same on every rank, since DCP keeps one copy of it).
+    global offset DCP stores it at, and once per copy of its mesh with weight
+    1/copies. A plain tensor counts on rank 0 (save() checks that it is the same on
+    every rank, since DCP keeps one copy of it).
     """
     tensors = {fqn: t for fqn, t in model_sd.items() if isinstance(t, torch.Tensor)}
 
@@ -950,11 +1046,15 @@ def fingerprint(model_sd, group):
         local = _weighted_sum(t.to_local(), t.__create_chunk_list__()[0].offsets)  # where DCP stores this shard
         return local * pow(copies, -1, _P) % _P
 
-    sums, err = _capture(lambda: [local(fqn, t) for fqn, t in tensors.items()])
-    sums = sums or [0] * len(tensors)
-    mine = [s if isinstance(t, DTensor) or dist.get_rank() == 0 else 0 for s, t in zip(sums, tensors.values())]
+    return [local(fqn, t) if isinstance(t, DTensor) or dist.get_rank() == 0 else 0 for fqn, t in tensors.items()]
+
+
+def fingerprint(model_sd, group):
+    """{fqn: int} over the model's state, identical under any sharding, replication or world size (see _local_prints)."""
+    tensors = [fqn for fqn, t in model_sd.items() if isinstance(t, torch.Tensor)]
+    sums, err = _capture(_local_prints, model_sd)
     # A failure on one rank rides in the same all-reduce (the last element): no rank is left waiting.
-    total = torch.tensor(mine + [1 if err else 0], dtype=torch.int64)
+    total = torch.tensor((sums or [0] * len(tensors)) + [1 if err else 0], dtype=torch.int64)
     _collective(lambda: dist.all_reduce(total, group=group), group, "fingerprint")
     if total[-1].item():
         _check_all(err, group, "fingerprint")
@@ -1025,7 +1125,6 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     for name, (structure, leaves) in extras.items():
         prefix = f"rank.{rank}.{name}" if name == "rng" else f"rank.{rank}.extra.{name}" if name in per_rank else f"extra.{name}"
         flat.update({prefix + k: v for k, v in leaves.items()})
-    prints = fingerprint(model_sd, group)
 
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on mkdir/rmtree.
     tmp, final = _rank0(_prepare, group, f"save: prepare step {step} in {root}", root, step)
@@ -1041,7 +1140,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         "world_size": world,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "fingerprint": prints,
+        "fingerprint": None,  # each rank's sums are taken beside the write, added up at the commit
         "optimizer": summary,
         "extra": {n: s for n, (s, _) in extras.items() if n not in per_rank},
         "per_rank": per_rank,  # their structures, one per rank, are gathered at the commit
@@ -1050,39 +1149,56 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     }
     mine = {n: s for n, (s, _) in extras.items() if n in per_rank}
     pending = PendingSave(tmp, final, manifest, mine, group, keep)
+    pending.fqns = [fqn for fqn, v in model_sd.items() if isinstance(v, torch.Tensor)]
 
     # 4. Write. DCP raises any rank's failure on every rank.
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
+    writer.fs = _ChecksumFileSystem()
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False)  # keys are flat already: load() asks for these
     if not async_save:
-        pending.start(lambda: dcp.save(flat, storage_writer=writer, planner=planner, process_group=group),
+        pending.start(flat, writer, lambda: dcp.save(flat, storage_writer=writer, planner=planner, process_group=group),
                       background=False)
         return pending.wait()
     # The background thread runs DCP's collectives on a group of its own: the main thread
     # keeps using `group` meanwhile, and two threads on one group would interleave and deadlock.
     background = checkpoint_group(timeout, purpose="async")
-    # Staging is the part of an async save that blocks training. A FileSystemWriter would stage
-    # itself: deep-copy every DTensor, then copy it again. DCP's generic stager copies each
-    # tensor once. It is ours, so we close it once the write is done.
-    stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=False))
     # Staged before anything collective starts, so a rank that cannot stage (out of host memory)
     # fails every rank here, with no write of the others left waiting for it.
-    staged, err = _capture(stager.stage, flat)
-    if err:
-        stager.close()
+    staged, err = _capture(_stager().stage, flat)
+    shared = [] if err else _aliased(staged, flat)
+    if shared:  # e.g. "offload to CPU" of a tensor already on CPU: the next step would change the checkpoint
+        err = f"the staged copy of {shared[:5]} shares memory with the live state: it would change while written"
     _check_all(err, group, "save: stage the state")
     # The state is copied to host memory: training may change parameters now.
-
-    def write():
-        try:
-            return dcp.save(staged, storage_writer=writer, planner=planner, process_group=background)
-        finally:
-            stager.close()
-
-    pending.start(write, background=True)
+    pending.start(staged, writer, lambda: dcp.save(staged, storage_writer=writer, planner=planner,
+                                                   process_group=background), background=True)
     _in_flight.append(pending)
     return pending
+
+
+_stagers = []
+
+
+def _aliased(staged, live):
+    """Keys of staged tensors that share memory with a live tensor."""
+    def where(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.device, t.untyped_storage().data_ptr()
+
+    tensors = lambda d: [(k, v) for k, v in d.items() if isinstance(v, torch.Tensor) and v.numel()]  # noqa: E731
+    memory = {where(v) for _, v in tensors(live)}
+    return [k for k, v in tensors(staged) if where(v) in memory]
+
+
+def _stager():
+    """The async saves' stager, kept until close(): it reuses its host buffers (pinned on CUDA), so after
+    the first save, staging is a copy into memory already mapped, the part of a save that blocks training.
+    DCP's generic stager copies each tensor once (a FileSystemWriter would deep-copy, then copy again)."""
+    if not _stagers:
+        _stagers.append(DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                     use_shared_memory=False, use_async_staging=False,
+                                                     use_non_blocking_copy=False)))
+    return _stagers[0]
 
 
 _in_flight = []
@@ -1107,10 +1223,16 @@ class PendingSave:
         self.path = None
         self.t0 = time.monotonic()
 
-    def start(self, write, background):
+    def start(self, state, writer, write, background):
         def job():
+            # The fingerprint's local sums run beside the write (torch releases the GIL): on a sync save
+            # they hide behind the disk, on an async one they read the staged copy, off the training thread.
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-fingerprint")
+            prints = pool.submit(_local_prints, {f: state["model." + f] for f in self.fqns})
+            pool.shutdown(wait=False)
             write()
-            return _describe_own(self.tmp)  # checksums of a large shard take a while: off the training thread too
+            rank = dist.get_rank()
+            return {n: dict(d, rank=rank) for n, d in writer.fs.files.items()}, prints.result()
 
         if background:
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
@@ -1130,14 +1252,14 @@ class PendingSave:
     def wait(self):
         if self.path is None:
             try:
-                files, err = self.job.result(), None
+                (files, prints), err = self.job.result(), None
             except _DCP_FAILURES as e:  # told to every rank below, so none commits or hangs
-                files, err = None, f"{type(e).__name__}: {e}"
+                files, prints, err = None, None, f"{type(e).__name__}: {e}"
             # Only now is the write over: a wait() interrupted above (Ctrl-C) leaves the save in flight.
             if self in _in_flight:
                 _in_flight.remove(self)
             # 5. Every rank checksummed its own files (or failed); rank 0 collects them and commits.
-            parts = _to_rank0({"files": files, "error": err, "structures": self.structures}, self.group,
+            parts = _to_rank0({"files": files, "prints": prints, "error": err, "structures": self.structures}, self.group,
                               f"save of {self.final}: gather checksums")
             # No rank returns before the rename (and retention) is done: returning means "committed".
             _rank0(_commit_rank0, self.group, f"save of {self.final}", self, parts)
@@ -1145,17 +1267,6 @@ class PendingSave:
             if dist.get_rank() == 0:
                 log.info("checkpoint %s committed (%.2f s)", self.final, time.monotonic() - self.t0)
         return self.path
-
-
-def _describe_own(tmp):
-    """Size and checksum of the files this rank wrote, found by name (DCP names rank r's files __r_<i>.distcp)."""
-    rank, out, i = dist.get_rank(), {}, 0
-    while os.path.exists(path := os.path.join(tmp, f"__{rank}_{i}.distcp")):
-        out[os.path.basename(path)] = dict(_describe(path), rank=rank)
-        i += 1
-    if rank == 0:
-        out[".metadata"] = dict(_describe(os.path.join(tmp, ".metadata")), rank=0)
-    return out
 
 
 _parents = {}  # root -> name of the commit this run's state descends from (loaded or last saved)
@@ -1203,8 +1314,9 @@ def _commit_rank0(pending, parts):
         raise CheckpointError(f"{tmp} holds {on_disk} but ranks reported {sorted(files)}")
     commits = _commits(root)
     seq = commits[-1][0] + 1 if commits else 1  # commit order: "newest" even after a rollback
-    manifest = dict(pending.manifest, files=files, run=_claims[root][0], parent=_parents.get(root),
-                    seq=seq,
+    prints = {fqn: sum(p["prints"][i] for p in parts) % _P for i, fqn in enumerate(pending.fqns)}
+    manifest = dict(pending.manifest, files=files, fingerprint=prints, run=_claims[root][0],
+                    parent=_parents.get(root), seq=seq,
                     per_rank={n: [p["structures"][n] for p in parts] for n in pending.manifest["per_rank"]})
     _write_manifest(tmp, manifest)
     fsync_dir(tmp)

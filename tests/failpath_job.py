@@ -394,7 +394,7 @@ def scen_load_user_load_state_dict(root):
 
 
 def scen_save_checksum(root):
-    return injected(root, 1, "hashing this rank's files (_describe_own)", patch=("_checksum", raiser(eio("checksum"))))
+    return injected(root, 1, "checksumming the files this rank writes", patch=("_crc", raiser(eio("checksum"))))
 
 
 def scen_load_read_metadata(root):
