@@ -2,9 +2,9 @@
 
     import ckpt
     ckpt.check_root("checkpoints")                    # at start-up: claims the root, fails early if it is wrong
-    step = ckpt.load("checkpoints", model, optimizer, extra={"sched": scheduler, "data": loader}) or 0
+    step = ckpt.load("checkpoints", model, optimizer, extra={"sched": scheduler, "data": position}) or 0
     ...
-    ckpt.save("checkpoints", step, model, optimizer, extra={"sched": scheduler, "data": loader}, keep=3)
+    ckpt.save("checkpoints", step, model, optimizer, extra={"sched": scheduler, "data": position}, keep=3)
     ...
     ckpt.close()                                       # before dist.destroy_process_group()
 
@@ -27,28 +27,33 @@ Save protocol (save()):
      root/.tmp-step-N-<id>; every rank checks it can see it (a node-local root
      would scatter the shards over several disks).
   4. Write. dcp.save() writes each rank's shards; any rank's failure is raised
-     on every rank. Each rank checksums the files it wrote, by 16 MB blocks.
-  5. Commit. Rank 0 gathers the checksums, writes manifest.json (checksums,
-     fingerprint, structure of the extras, commit sequence number), fsyncs it
-     and renames the directory to root/step-N: readers see all of it or nothing.
+     on every rank. A thread CRCs each 16 MB block as soon as it is written, so
+     the checksums cost no second pass; then the rank fingerprints its shards.
+  5. Commit. Rank 0 gathers checksums and fingerprint sums, writes manifest.json
+     (checksums, fingerprint, structure of the extras, commit sequence number),
+     fsyncs it and renames the directory to root/step-N: readers see all of it
+     or nothing.
   6. Retain. Rank 0 deletes the oldest commits beyond `keep`; never the newest.
-  With async_save=True, save() returns after step 4 has copied the state to host
-  memory; the write and checksums finish in a background thread, and steps 5-6
-  run in PendingSave.wait(), which every rank calls (the next save calls it too).
+  With async_save=True, save() returns once step 4 has copied the state to host
+  memory (buffers kept from one save to the next); the write, checksums and
+  fingerprint run in a background thread, and steps 5-6 run in
+  PendingSave.wait(), which every rank calls (the next save calls it too).
 
 Load protocol (load()):
-  1. Agree on the arguments, as in save step 2.
-  2. Choose. Rank 0 picks the newest commit under the root (by commit order, so
+  1. Choose. Rank 0 picks the newest commit under the root (by commit order, so
      a rollback's branch wins over older, higher-numbered steps), or the
-     checkpoint directory it was given, and claims a root it will write to.
+     checkpoint directory it was given, claims a root it will write to, and
+     sends each rank its part of the manifest (its own files' checksums).
+  2. Agree on the arguments, as in save step 2 (in the all-reduce of step 3).
   3. Verify files: every file the manifest lists is there with its size.
   4. Verify keys. DCP's .metadata is checksummed and read through a restricted
      unpickler (no code from the checkpoint runs); model and optimizer keys and
      shapes must match it.
   5. Read. dcp.load() reads into the live sharded tensors (resharding if the
      layout changed), every block checked against its checksum before its bytes
-     are used; set_state_dict() maps optimizer state by name; extras are rebuilt
-     from the structure saved with them and handed to load_state_dict().
+     are used, and copied straight into the tensor when it was saved whole;
+     set_state_dict() maps optimizer state by name; extras are rebuilt from the
+     structure saved with them and handed to load_state_dict().
   6. Verify values: the parameter fingerprint and every parameter's optimizer
      state (which keys, which step) must equal what was saved.
   Any step that fails on one rank fails every rank at the next agreement, within
@@ -83,6 +88,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import queue
@@ -93,6 +99,7 @@ import socket
 import threading
 import time
 import uuid
+import zipfile
 import zlib
 
 import torch
@@ -177,13 +184,17 @@ def _collective(fn, group, what):
 
 def _check_all(error, group, what, args=None):
     """Every rank reports its local error (or None) and, optionally, the arguments it was given
-    ({name: value}). If any rank failed, or ranks disagree on the arguments, all raise the same error.
+    ({name: value}; a dict value is compared key by key). If any rank failed, or ranks disagree on the
+    arguments, all raise the same error, naming what differs.
 
     One all-reduce when all is well: the max of a failure flag, of a hash h of the arguments and of -h
     (equal hashes iff max(h) == -max(-h)). Messages are exchanged only when something is wrong.
     """
-    text = " ".join(f"{k}={v}".replace(" ", "") for k, v in (args or {}).items())
-    h = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+    items = []
+    for k, v in (args or {}).items():
+        items += [(f"{k}[{i}]", w) for i, w in v.items()] if isinstance(v, dict) else [(k, v)]
+    text = " ".join(f"{k}={v}".replace(" ", "") for k, v in items)
+    h = _hash(text)
     t = torch.tensor([0 if error is None else 1, h, -h], dtype=torch.int64)
     _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), group, what)
     if t[0].item() or t[1].item() != -t[2].item():
@@ -191,14 +202,27 @@ def _check_all(error, group, what, args=None):
         _collective(lambda: dist.all_gather_object(seen, (error, text), group=group), group, what)
         if not t[0].item():  # a rank that failed reports no arguments worth comparing: its error comes first
             values = [dict(kv.split("=", 1) for kv in a.split(" ")) for _, a in seen]
-            differ = [k for k in values[0] if len({v.get(k) for v in values}) > 1]
-            hint = (". Values that are not DTensors (model buffers, optimizer steps and options) must be equal on "
-                    "every rank, since DCP stores one copy: did a load fail part-way? Load a checkpoint first"
-                    if "replicated_values" in differ else "")
+            differ = [k for k in {k: 0 for v in values for k in v} if len({v.get(k) for v in values}) > 1][:5]
+            hint = (". Values that are not DTensors (model buffers such as BatchNorm statistics, optimizer steps "
+                    "and options) must be equal on every rank, since DCP stores one copy: synchronize them before "
+                    "save() (e.g. SyncBatchNorm, or an all_reduce), or, if a load failed part-way, load a checkpoint"
+                    if any(k.startswith("replicated_values[") for k in differ) else "")
             raise CheckpointError(f"{what} was given different arguments on different ranks: " + ", ".join(
                 f"rank {r}: " + " ".join(f"{k}={v.get(k)}" for k in differ) for r, v in enumerate(values)) + hint)
         failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e]
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
+
+
+def _hash(text):
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def _differ(values, group, what):
+    """The keys of {key: str} whose value is not the same on every rank (same keys on every rank):
+    one MAX all-reduce of (h, -h) per key, whatever the world size."""
+    t = torch.tensor([x for v in values.values() for x in (_hash(v), -_hash(v))], dtype=torch.int64)
+    _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), group, what)
+    return [k for i, k in enumerate(values) if t[2 * i].item() != -t[2 * i + 1].item()]
 
 
 def _from_rank0(obj, group, what):
@@ -229,6 +253,21 @@ def _capture(fn, *args):
     except Exception as e:  # reported to every rank by _check_all, then raised there
         log.debug("on rank %d", dist.get_rank(), exc_info=True)
         return None, f"{type(e).__name__}: {e}"
+
+
+def _rank0_each(fn, group, what, *args):
+    """Run fn on rank 0 only; it returns a list with one result per rank, and each rank receives its own
+    (what a rank receives does not grow with the world size); its failure is raised on every rank."""
+    mine = [None]
+    if dist.get_rank() == 0:
+        results, err = _capture(fn, *args)
+        each = [(r, None) for r in results] if err is None else [(None, err)] * dist.get_world_size(group)
+    _collective(lambda: dist.scatter_object_list(mine, each if dist.get_rank() == 0 else None, src=0, group=group),
+                group, what)
+    result, err = mine[0]
+    if err:
+        raise CheckpointError(f"{what} failed on rank 0: {err}")
+    return result
 
 
 def _rank0(fn, group, what, *args):
@@ -481,6 +520,8 @@ class _ChecksumStream(io.RawIOBase):
                 buf = memoryview(bytearray(BLOCK))
                 for b in iter(self.written.get, None):
                     self.blocks.append(_hex(_crc(buf[: _read_block(f, b, buf)])))
+                    if hasattr(os, "posix_fadvise"):  # Linux starts writing the block to disk now, not at the fsync
+                        os.posix_fadvise(f.fileno(), b * BLOCK, BLOCK, os.POSIX_FADV_DONTNEED)
         except BaseException as e:  # noqa: B036 - handed to the writer in close()
             self.error = e
             for _ in iter(self.written.get, None):
@@ -620,11 +661,10 @@ def _older(ckpt_dir):
     return os.path.join(root, others[-1]) if others else None
 
 
-def verify_files(ckpt_dir, manifest, rank=0, world=1, checksums=True):
-    """Compare sizes (and checksums) of this rank's share of the files; returns errors."""
+def verify_files(ckpt_dir, manifest, names=None, checksums=True):
+    """Compare sizes (and checksums) of the files (all the manifest lists, or names); returns errors."""
     errors = []
-    names = sorted(manifest["files"])
-    for name in names[rank::world]:
+    for name in sorted(manifest["files"]) if names is None else names:
         path, want = os.path.join(ckpt_dir, name), manifest["files"][name]
         if not os.path.isfile(path):
             errors.append(f"{path} is missing")
@@ -703,6 +743,14 @@ class SafeReader(dcp.FileSystemReader):
             metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def checksums(self, name):
+        if name not in self.manifest["files"]:  # load() handed this rank its own files' checksums only
+            full = read_manifest(str(self.path))
+            if full["manifest_sha256"] != self.manifest["manifest_sha256"]:
+                raise CheckpointError(f"{self.path}/{MANIFEST} changed while it was being loaded")
+            self.manifest = full
+        return self.manifest["files"][name][CHECKSUM]
+
     def read_data(self, plan, planner):
         if self.manifest is None:
             return super().read_data(plan, planner)
@@ -711,7 +759,7 @@ class SafeReader(dcp.FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
             # In file order, block by block: one sequential pass, each block checked once.
-            blocks = _VerifiedBlocks(os.path.join(str(self.path), name), self.manifest["files"][name][CHECKSUM])
+            blocks = _VerifiedBlocks(os.path.join(str(self.path), name), self.checksums(name))
             for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                 where = self.storage_data[item.storage_index]
                 if getattr(where, "transform_descriptors", None):
@@ -720,16 +768,56 @@ class SafeReader(dcp.FileSystemReader):
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, data)
                     continue
-                tensor = torch.load(data, map_location="cpu", weights_only=True)
-                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this rank needs
                 target = planner.resolve_tensor(item).detach()
-                target.copy_(tensor)
+                if not _read_into(target, item, blocks, where.offset, data):
+                    data.seek(0)
+                    tensor = torch.load(data, map_location="cpu", weights_only=True)
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this rank needs
+                    target.copy_(tensor)
                 planner.commit_tensor(item, target)
             blocks.close()
         fut = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+
+def _read_into(target, item, blocks, offset, data):
+    """Copy a whole saved tensor from checked blocks straight into target; False if it is not that simple.
+
+    DCP stores each tensor as one torch.save zip. Its data record is the tensor's bytes, in order when
+    the tensor was contiguous: copying them from the checked blocks skips torch.load's fresh tensor
+    (an allocation, its page faults and a second copy), most of the cost of reading.
+    """
+    if math.prod(item.lengths) * target.element_size() < (1 << 20):
+        return False  # small: torch.load's overhead is per item, nothing to win
+    saved = torch.load(data, map_location="meta", weights_only=True)  # shape, strides, dtype: no data read
+    if not (saved.dtype == target.dtype and saved.is_contiguous() and saved.storage_offset() == 0
+            and tuple(saved.shape) == tuple(item.lengths) == tuple(target.shape) and target.is_contiguous()
+            and not any(item.storage_offsets)):
+        return False
+    data.seek(0)
+    with zipfile.ZipFile(data) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    data.seek(info.header_offset)
+    head = data.read(30)  # a zip local header: fixed fields, then the name and the extra field
+    start = info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size != saved.nbytes or head[:4] != b"PK\x03\x04":
+        return False
+    dest = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
+    out = dest.reshape(-1).view(torch.uint8)
+    at, end = offset + start, offset + start + saved.nbytes
+    while at < end:
+        block = blocks.block(at // BLOCK)
+        take = min(end - at, len(block) - at % BLOCK)
+        if take <= 0:
+            raise CheckpointError(f"{blocks.path} is shorter than its checksums say (truncated)")
+        out[at - offset - start : at - offset - start + take].copy_(
+            torch.frombuffer(block[at % BLOCK : at % BLOCK + take], dtype=torch.uint8))
+        at += take
+    if dest is not target:
+        target.copy_(dest)
+    return True
 
 
 class _VerifiedBlocks:
@@ -925,6 +1013,10 @@ def _extras(extra, rng):
     objects = dict(extra or {})
     if "rng" in objects:
         raise CheckpointError("extra 'rng': ckpt saves the RNG state under this name itself (rng=True); rename yours")
+    for name, obj in objects.items():
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):  # restored in place, so not a value
+            raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, which has no state_dict() and "
+                                  "load_state_dict(): wrap it in an object that has both (see the README's data position)")
     if rng:
         objects["rng"] = _RNG()  # the name is ours: user extras live under extra.<name>, RNG under rank.<r>.rng
     return objects
@@ -1112,16 +1204,15 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
             "optimizer": optimizer is not None, "extra": sorted(extra or {})}
     # Values that are not DTensors (model buffers, optimizer steps and options) are stored once by DCP: they
     # must be equal on every rank (they differ after a load that failed part-way, say).
-    args["replicated_values"] = _capture(lambda: _digest({k: v for k, v in collected[1].items()}))[0]
+    args["replicated_values"] = _capture(lambda: {k: _digest({k: v})[:12] for k, v in collected[1].items()
+                                                  if not isinstance(v, DTensor)})[0]
     _check_all(err, group, "save()", args)
     model_sd, flat, extras, summary = collected
     # An extra that differs between ranks would be de-duplicated by DCP to one rank's copy: keep it per rank.
     per_rank = ["rng"] if rng else []
     if extra:
-        digests = _to_rank0({n: _digest(leaves) for n, (_, leaves) in extras.items()}, group, "save: compare extras")
-        per_rank = _from_rank0(
-            sorted(n for n in extras if n == "rng" or len({d[n] for d in digests}) > 1) if rank == 0 else None,
-            group, "save: per-rank extras")
+        compared = {n: _digest(extras[n][1]) for n in sorted(extras) if n != "rng"}  # same order on every rank
+        per_rank = sorted(per_rank + _differ(compared, group, "save: compare extras"))
     for name, (structure, leaves) in extras.items():
         prefix = f"rank.{rank}.{name}" if name == "rng" else f"rank.{rank}.extra.{name}" if name in per_rank else f"extra.{name}"
         flat.update({prefix + k: v for k, v in leaves.items()})
@@ -1225,14 +1316,11 @@ class PendingSave:
 
     def start(self, state, writer, write, background):
         def job():
-            # The fingerprint's local sums run beside the write (torch releases the GIL): on a sync save
-            # they hide behind the disk, on an async one they read the staged copy, off the training thread.
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-fingerprint")
-            prints = pool.submit(_local_prints, {f: state["model." + f] for f in self.fqns})
-            pool.shutdown(wait=False)
             write()
+            # The fingerprint of what was written: of the staged copy on an async save, off the training thread.
+            prints = _local_prints({f: state["model." + f] for f in self.fqns})
             rank = dist.get_rank()
-            return {n: dict(d, rank=rank) for n, d in writer.fs.files.items()}, prints.result()
+            return {n: dict(d, rank=rank) for n, d in writer.fs.files.items()}, prints
 
         if background:
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
@@ -1262,7 +1350,8 @@ class PendingSave:
             parts = _to_rank0({"files": files, "prints": prints, "error": err, "structures": self.structures}, self.group,
                               f"save of {self.final}: gather checksums")
             # No rank returns before the rename (and retention) is done: returning means "committed".
-            _rank0(_commit_rank0, self.group, f"save of {self.final}", self, parts)
+            _, err = _capture(_commit_rank0, self, parts) if dist.get_rank() == 0 else (None, None)
+            _check_all(err, self.group, f"save of {self.final}")
             self.path = self.final
             if dist.get_rank() == 0:
                 log.info("checkpoint %s committed (%.2f s)", self.final, time.monotonic() - self.t0)
@@ -1293,12 +1382,12 @@ def _prepare(root, step):
         # started over). Keep it out of load()'s way; retention removes it in commit order.
         aside = os.path.join(root, f".abandoned-step-{step:08d}-{uuid.uuid4().hex[:8]}")
         os.rename(final, aside)
+        fsync_dir(root)  # or a power cut brings the abandoned step back under the name we commit to
         log.warning("moved %s aside to %s: this run continues from %s", final, aside, _parents.get(root, "scratch"))
     # DCP assumes an empty directory: old .metadata beside new shards would be trusted. A unique name
     # means a leftover we could not delete never blocks a later save.
     tmp = os.path.join(root, f"{TMP_PREFIX}step-{step:08d}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
-    fsync_dir(root)
+    os.makedirs(tmp)  # not fsynced: lost in a crash, it held nothing committed; the commit's fsyncs cover it
     return tmp, final
 
 
@@ -1325,15 +1414,11 @@ def _commit_rank0(pending, parts):
     _parents[root] = os.path.basename(final)
     # 6. Retain: after the commit, so a crash here never leaves fewer good checkpoints.
     if pending.keep:
-        _retain(root, pending.keep)
+        _retain(root, pending.keep, [n for _, n in commits] + [os.path.basename(final)])
 
 
-def _retain(root, keep):
-    try:
-        commits = [n for _, n in _commits(root)]
-    except OSError as e:  # the new checkpoint is committed: a failed clean-up must not fail the save
-        log.warning("retention: could not list %s: %s", root, e)
-        return
+def _retain(root, keep, commits):
+    """Remove all but the newest `keep` of commits (names, oldest commit first)."""
     for name in commits[: max(len(commits) - max(keep, 1), 0)]:  # by commit order; never the newest
         trash = os.path.join(root, f"{TMP_PREFIX}delete-{name.lstrip('.')}")
         try:
@@ -1383,6 +1468,10 @@ def _targets(model, optimizer, extra, rng, manifest, metadata, ckpt_dir):
     if problems:
         optim_only = all(k.startswith("optim.") for k in missing + unexpected + reshaped)
         hint = " (to load the weights alone, pass optimizer=None)" if optimizer is not None and optim_only else ""
+        options = {k.rsplit(".", 1)[1] for k in missing + unexpected if k.startswith("optim.param_groups.")}
+        if "initial_lr" in options:  # the most common way to get here
+            hint = (" (an LR scheduler adds 'initial_lr' to the optimizer's param_groups when it is created: "
+                    "create schedulers before load(), as when they were saved)")
         raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model/optimizer{hint}: " + "; ".join(problems))
     request = {k: v for k, v in flat.items() if k not in without}
 
@@ -1434,20 +1523,21 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.abspath(path)
 
-    # 1-2. Agree; rank 0 chooses the checkpoint so all ranks load the same one.
-    _check_all(None, group, "load()", {"path": path, "optimizer": optimizer is not None,
-                                       "extra": sorted(extra or {}), "rng": rng, "verify": verify})
-
+    # 1. Rank 0 chooses the checkpoint, so all ranks load the same one.
     def choose():
         found = find_checkpoint(path)
         if found == path and not os.path.isdir(path):
             raise CheckpointError(f"{path}: no such checkpoint directory")
         if found != path:  # path is a root we will write to: claim it before training starts
             _claim(path, STALE_AFTER)
-        return (found, *_capture(read_manifest, found)) if found else (None, None, None)
+        manifest, damaged = _capture(read_manifest, found) if found else (None, None)
+        return [(found, manifest and _share(manifest, r, world), damaged) for r in range(world)]
 
-    ckpt_dir, manifest, damaged = _rank0(choose, group, f"load: find a checkpoint in {path}")
+    ckpt_dir, manifest, damaged = _rank0_each(choose, group, f"load: find a checkpoint in {path}")
+    args = {"path": path, "optimizer": optimizer is not None, "extra": sorted(extra or {}), "rng": rng,
+            "verify": verify}
     if ckpt_dir is None:
+        _check_all(None, group, "load()", args)
         return None
 
     def refuse(e):
@@ -1455,20 +1545,28 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         hint = f" The newest older committed checkpoint is {older}; pass it explicitly to load it." if older else ""
         return CheckpointError(f"refusing to load a damaged checkpoint: {e}.{hint}")
 
-    # 3. Verify files: every file is there with its size, each rank a share of them. Checksums
-    # are checked as the bytes are read (steps 4-5), so no file is read twice.
+    # 2-4. Verify files: every file is there with its size, each rank a share of them (checksums are
+    # checked as the bytes are read, in 5, so no file is read twice). Verify keys against DCP's metadata,
+    # read without executing anything from the file. Then agree, in one all-reduce, on these and on
+    # the arguments: nothing collective ran on anything that could differ between ranks before this.
     if manifest is None:
         raise refuse(damaged)
-    errors = verify_files(ckpt_dir, manifest, rank, world, checksums=False) if verify else []
+
+    def check():
+        errors = verify_files(ckpt_dir, manifest, manifest["stat"], checksums=False) if verify else []
+        if errors:
+            raise CheckpointError("; ".join(errors))
+        return read_metadata(ckpt_dir, manifest if verify else None)
+
+    metadata, err = _capture(check)
+    prepared = None
+    if not err:
+        prepared, mismatch = _capture(_targets, model, optimizer, extra, rng, manifest, metadata, ckpt_dir)
     try:
-        _check_all("; ".join(errors) or None, group, f"load: verify {ckpt_dir}")
-        # 4. Verify keys against DCP's metadata (read without executing anything from the file).
-        metadata, err = _capture(read_metadata, ckpt_dir, manifest if verify else None)
-        _check_all(err, group, f"load: read {ckpt_dir}/.metadata")
+        _check_all(err, group, f"load: verify {ckpt_dir}", args)
     except CheckpointError as e:
-        raise refuse(e) from e
-    prepared, err = _capture(_targets, model, optimizer, extra, rng, manifest, metadata, ckpt_dir)
-    _check_all(err, group, f"load: match {ckpt_dir} to the model")
+        raise (refuse(e) if "failed on" in str(e) else e) from e
+    _check_all(None if prepared else mismatch, group, f"load: match {ckpt_dir} to the model")
     structure, template, request, plan, without = prepared
 
     # 5. Read into the live shards, each block checked before its bytes are used; a damaged block
@@ -1479,7 +1577,6 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     except _DCP_FAILURES as e:  # DCP raises every rank's failure on every rank
         raise (refuse(e) if "checksum" in str(e) else CheckpointError(f"reading {ckpt_dir} failed: {e}")) from e
     _, err = _capture(_restore, model, optimizer, extra, manifest, structure, {**template, **request}, plan)
-    _check_all(err, group, f"load: restore {ckpt_dir}")
     if rng and "rng" in manifest["per_rank"] and manifest["world_size"] != world:
         # RNG streams belong to ranks; with another world size there is no right mapping.
         seed = int(hashlib.sha256(f"{manifest['rng_seed']}-{manifest['step']}-{rank}".encode()).hexdigest()[:15], 16)
@@ -1489,18 +1586,38 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
             log.warning("world size changed %d -> %d: RNG reseeded from (seed, step, rank), not restored",
                         manifest["world_size"], world)
 
-    # 6. Verify what was restored.
-    current = get_model_state_dict(model, options=SD_OPTIONS)
-    got = fingerprint(current, group)
-    bad = sorted(k for k in set(got) | set(manifest["fingerprint"]) if got.get(k) != manifest["fingerprint"].get(k))
-    err = f"after loading {ckpt_dir}, parameters differ from what was saved: {bad[:10]}" if bad else None
-    if optimizer is not None and not err:
-        err = _check_optimizer(model, optimizer, manifest["optimizer"], current)
-    _check_all(err, group, f"load: verify what {ckpt_dir} restored")
+    # 6. Verify what was restored: the fingerprint's sums and any rank's failure in one all-reduce;
+    # every rank then compares the same sums with the manifest, so all decide alike.
+    fqns = list(manifest["fingerprint"])
+    sums = [0] * len(fqns)
+    if not err:
+        current = get_model_state_dict(model, options=SD_OPTIONS)
+        sums, err = _capture(_local_prints, {f: current[f] for f in fqns})
+        sums = sums or [0] * len(fqns)
+        if not err and optimizer is not None:
+            err = _check_optimizer(model, optimizer, manifest["optimizer"], current)
+    total = torch.tensor(sums + [1 if err else 0], dtype=torch.int64)
+    _collective(lambda: dist.all_reduce(total, group=group), group, f"load: verify what {ckpt_dir} restored")
+    if total[-1].item():
+        _check_all(err, group, f"load: restore and verify {ckpt_dir}")
+    bad = [f for i, f in enumerate(fqns) if total[i].item() % _P != manifest["fingerprint"][f]]
+    if bad:
+        raise CheckpointError(f"load: verify what {ckpt_dir} restored failed: parameters differ from what was "
+                              f"saved: {bad[:10]}")
     _parents[os.path.dirname(ckpt_dir)] = os.path.basename(ckpt_dir)  # the next save's parent (a rollback's too)
     if rank == 0:
         log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]
+
+
+def _share(manifest, rank, world):
+    """The part of the manifest rank needs: the files it stats (a share of all), its own files' and
+    .metadata's checksums, its own per-rank structures. A reader that needs another file's checksums
+    (a load at another world size) reads them from manifest.json (SafeReader)."""
+    names = sorted(manifest["files"])
+    needed = set(names[rank::world]) | {n for n in names if n == ".metadata" or n.startswith(f"__{rank}_")}
+    return dict(manifest, stat=names[rank::world], files={n: manifest["files"][n] for n in sorted(needed)},
+                per_rank={n: {rank: s[rank]} if rank < len(s) else {} for n, s in manifest["per_rank"].items()})
 
 
 def _restore(model, optimizer, extra, manifest, structure, values, plan):

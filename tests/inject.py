@@ -141,10 +141,10 @@ ckpt._write_manifest = write_manifest
 real_retain = ckpt._retain
 
 
-def retain(root, keep):
+def retain(*args):
     if FAULT == "kill_after_commit" and targeted():
         die("committed, before retention")
-    return real_retain(root, keep)
+    return real_retain(*args)
 
 
 ckpt._retain = retain

@@ -397,6 +397,8 @@ def test_save_after_a_failed_load(jobs):
           f"{[(x['load'] or {}).get('raised') for x in res]} {(r['load'] or {}).get('msg', '')[:300]}")
     if r["save"]["raised"]:
         failed_fast([x["save"] for x in res], "save of the half-loaded state")
+        # It names the values that differ, not just "different arguments".
+        assert "replicated_values[optim.state." in r["save"]["msg"] and "load a checkpoint" in r["save"]["msg"]
     else:
         for x in res:
             ok(x["load"], "load of what that save committed")
