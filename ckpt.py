@@ -1231,7 +1231,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         "world_size": world,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "fingerprint": None,  # each rank's sums are taken beside the write, added up at the commit
+        "fingerprint": None,  # each rank's sums, taken after its write, are added up at the commit
         "optimizer": summary,
         "extra": {n: s for n, (s, _) in extras.items() if n not in per_rank},
         "per_rank": per_rank,  # their structures, one per rank, are gathered at the commit
@@ -1239,12 +1239,12 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         "meta": meta or {},
     }
     mine = {n: s for n, (s, _) in extras.items() if n in per_rank}
-    pending = PendingSave(tmp, final, manifest, mine, group, keep)
-    pending.fqns = [fqn for fqn, v in model_sd.items() if isinstance(v, torch.Tensor)]
+    fqns = [fqn for fqn, v in model_sd.items() if isinstance(v, torch.Tensor)]
+    pending = PendingSave(tmp, final, manifest, mine, group, keep, fqns)
 
     # 4. Write. DCP raises any rank's failure on every rank.
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
-    writer.fs = _ChecksumFileSystem()
+    writer.fs = _ChecksumFileSystem()  # checksums every file as it is written
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False)  # keys are flat already: load() asks for these
     if not async_save:
         pending.start(flat, writer, lambda: dcp.save(flat, storage_writer=writer, planner=planner, process_group=group),
@@ -1308,9 +1308,9 @@ class PendingSave:
     (a collective, then rank 0's rename) runs in the caller's thread, in wait().
     """
 
-    def __init__(self, tmp, final, manifest, structures, group, keep):
+    def __init__(self, tmp, final, manifest, structures, group, keep, fqns):
         self.tmp, self.final, self.manifest, self.group, self.keep = tmp, final, manifest, group, keep
-        self.structures = structures
+        self.structures, self.fqns = structures, fqns
         self.path = None
         self.t0 = time.monotonic()
 
