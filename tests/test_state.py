@@ -216,3 +216,22 @@ def test_fingerprint_sees_position_and_ignores_layout():
     big = torch.randn(3_000_000)  # several blocks of the chunked sum, 1-D
     assert ckpt._weighted_sum(big, (0,)) == (ckpt._weighted_sum(big[:1_234_567], (0,)) +
                                              ckpt._weighted_sum(big[1_234_567:], (1_234_567,))) % ckpt._P
+
+
+def test_misuse_is_named_with_its_fix(tmp_path):
+    """Two mistakes a new user makes, each refused with a message that says what to do: an LR scheduler
+    built after load() (the optimizer lacks the 'initial_lr' the checkpoint has), and a plain value
+    as an extra (nothing to restore it in place)."""
+    model, opt = make()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)  # adds initial_lr to the param_groups
+    train(model, opt, 2, sched)
+    ckpt.save(str(tmp_path / "a"), 2, model, opt, {"sched": sched})
+    fresh, fresh_opt = make(1)  # its scheduler is built only after the load
+    with pytest.raises(ckpt.CheckpointError) as late:
+        ckpt.load(str(tmp_path / "a"), fresh, fresh_opt)
+    with pytest.raises(ckpt.CheckpointError) as plain:
+        ckpt.save(str(tmp_path / "b"), 2, model, opt, {"position": {"epoch": 3}})
+    print(f"\nscheduler after load: {str(late.value)[-160:]}\nplain extra: {plain.value}")
+    assert "initial_lr" in str(late.value) and "create schedulers before load()" in str(late.value)
+    assert "extra 'position' is a dict" in str(plain.value) and "state_dict()" in str(plain.value)
+    assert ckpt.committed_steps(str(tmp_path / "b")) == []
