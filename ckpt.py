@@ -478,8 +478,8 @@ def _checksum(path):
 
 
 class _ChecksumFileSystem(FileSystem):
-    """DCP's local file system, taking each written file's block checksums from the bytes as they pass,
-    so save() never reads its own files back. files: {name: {"bytes", "crc32"}} of what it wrote."""
+    """DCP's local file system, checksumming every file it writes block by block while it is written
+    (_ChecksumStream), not in a second pass. files: {name: {"bytes", "crc32"}} of what it wrote."""
 
     def __init__(self):
         super().__init__()
@@ -504,9 +504,9 @@ class _ChecksumFileSystem(FileSystem):
 
 
 class _ChecksumStream(io.RawIOBase):
-    """A file written front to back (as DCP writes). A thread reads each 16 MB block back as soon as it
-    is written and CRCs it, beside the writes and the fsync that follows them: the checksums cost no
-    time of their own, and they cover the bytes as the page cache holds them, on their way to disk."""
+    """A file written front to back (as DCP writes). A thread reads each 16 MB block back from the page
+    cache as soon as it is written and CRCs it, beside the writes and the fsync that follow: with a core
+    to spare the checksums add no time, and they cover the bytes as they go to disk."""
 
     def __init__(self, f, path):
         self.f, self.pos, self.blocks, self.error = f, 0, [], None
