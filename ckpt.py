@@ -40,11 +40,12 @@ Save protocol (save()):
   PendingSave.wait(), which every rank calls (the next save calls it too).
 
 Load protocol (load()):
-  1. Choose. Rank 0 picks the newest commit under the root (by commit order, so
+  1. Agree on the arguments, as in save step 2.
+  2. Choose. Rank 0 picks the newest commit under the root (by commit order, so
      a rollback's branch wins over older, higher-numbered steps), or the
      checkpoint directory it was given, claims a root it will write to, and
-     sends each rank its part of the manifest (its own files' checksums).
-  2. Agree on the arguments, as in save step 2 (in the all-reduce of step 3).
+     sends each rank its part of the manifest (the checksums of the files it
+     reads: its own and rank 0's).
   3. Verify files: every file the manifest lists is there with its size.
   4. Verify keys. DCP's .metadata is checksummed and read through a restricted
      unpickler (no code from the checkpoint runs); model and optimizer keys and
@@ -518,8 +519,10 @@ class _ChecksumStream(io.RawIOBase):
         try:
             with open(path, "rb", buffering=0) as f:
                 buf = memoryview(bytearray(BLOCK))
-                for b in iter(self.written.get, None):
-                    self.blocks.append(_hex(_crc(buf[: _read_block(f, b, buf)])))
+                for b, size in iter(self.written.get, None):
+                    if (n := _read_block(f, b, buf)) != size:  # a file system that hides what another handle wrote
+                        raise CheckpointError(f"{path}: read back {n} bytes of block {b}, {size} were written")
+                    self.blocks.append(_hex(_crc(buf[:n])))
                     if hasattr(os, "posix_fadvise"):  # Linux starts writing the block to disk now, not at the fsync
                         os.posix_fadvise(f.fileno(), b * BLOCK, BLOCK, os.POSIX_FADV_DONTNEED)
         except BaseException as e:  # noqa: B036 - handed to the writer in close()
@@ -537,28 +540,32 @@ class _ChecksumStream(io.RawIOBase):
         if self.pos // BLOCK > before:
             self.f.flush()  # the reader must see the whole block
             for b in range(before, self.pos // BLOCK):
-                self.written.put(b)
+                self.written.put((b, BLOCK))
         return n
 
     def tell(self):
         return self.pos
 
     def fileno(self):
+        self.f.flush()  # DCP asks for it to fsync: what Python still buffers must be in the file first
         return self.f.fileno()
 
     def flush(self):
         self.f.flush()
 
     def close(self):
-        if not self.closed:
+        if self.closed:
+            return
+        try:
             super().close()
-            self.f.close()
+            self.f.close()  # a full disk raises here, on the last buffered bytes
             if self.pos % BLOCK:
-                self.written.put(self.pos // BLOCK)
-            self.written.put(None)
+                self.written.put((self.pos // BLOCK, self.pos % BLOCK))
+        finally:
+            self.written.put(None)  # the thread ends, whatever happened
             self.worker.join()
-            if self.error:
-                raise self.error
+        if self.error:
+            raise self.error
 
 
 def _read_block(f, b, buf):
@@ -757,6 +764,7 @@ class SafeReader(dcp.FileSystemReader):
         per_file = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        layouts = {}
         for name, items in per_file.items():
             # In file order, block by block: one sequential pass, each block checked once.
             blocks = _VerifiedBlocks(os.path.join(str(self.path), name), self.checksums(name))
@@ -769,7 +777,7 @@ class SafeReader(dcp.FileSystemReader):
                     planner.load_bytes(item, data)
                     continue
                 target = planner.resolve_tensor(item).detach()
-                if not _read_into(target, item, blocks, where.offset, data):
+                if not _read_into(target, item, blocks, where.offset, where.length, data, layouts):
                     data.seek(0)
                     tensor = torch.load(data, map_location="cpu", weights_only=True)
                     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
@@ -782,38 +790,45 @@ class SafeReader(dcp.FileSystemReader):
         return fut
 
 
-def _read_into(target, item, blocks, offset, data):
+def _read_into(target, item, blocks, offset, length, data, layouts):
     """Copy a whole saved tensor from checked blocks straight into target; False if it is not that simple.
 
-    DCP stores each tensor as one torch.save zip. Its data record is the tensor's bytes, in order when
-    the tensor was contiguous: copying them from the checked blocks skips torch.load's fresh tensor
-    (an allocation, its page faults and a second copy), most of the cost of reading.
+    DCP stores each tensor as one torch.save zip: a pickle that describes the tensor, and a data
+    record, the elements in order when the tensor was contiguous. Copying that record from the checked
+    blocks skips torch.load's fresh tensor (an allocation, its page faults, a second copy); tensors
+    with the same pickle are alike, so torch.load reads each kind of pickle once (layouts).
     """
-    if math.prod(item.lengths) * target.element_size() < (1 << 20):
-        return False  # small: torch.load's overhead is per item, nothing to win
-    saved = torch.load(data, map_location="meta", weights_only=True)  # shape, strides, dtype: no data read
-    if not (saved.dtype == target.dtype and saved.is_contiguous() and saved.storage_offset() == 0
-            and tuple(saved.shape) == tuple(item.lengths) == tuple(target.shape) and target.is_contiguous()
-            and not any(item.storage_offsets)):
-        return False
-    data.seek(0)
     with zipfile.ZipFile(data) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
-    data.seek(info.header_offset)
-    head = data.read(30)  # a zip local header: fixed fields, then the name and the extra field
-    start = info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
-    if info.compress_type != zipfile.ZIP_STORED or info.file_size != saved.nbytes or head[:4] != b"PK\x03\x04":
+        records = {i.filename.rsplit("/", 1)[-1]: i for i in z.infolist()}
+        if "data.pkl" not in records or "0" not in records or len(records) > 8:
+            return False
+        pickled = z.read(records["data.pkl"])
+    if pickled not in layouts:
+        data.seek(0)
+        saved = torch.load(data, map_location="meta", weights_only=True)  # shape, strides, dtype: no data read
+        whole = (saved.is_contiguous() and saved.storage_offset() == 0 and not saved.is_conj()
+                 and not saved.is_neg() and saved.untyped_storage().nbytes() == saved.nbytes)
+        layouts[pickled] = (saved.dtype, tuple(saved.shape), saved.nbytes) if whole else None
+    record = records["0"]
+    data.seek(record.header_offset)
+    head = data.read(30)  # a zip local header: fixed fields, then the name and an extra field
+    start = record.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+    if layouts[pickled] is None or head[:4] != b"PK\x03\x04" or record.compress_type != zipfile.ZIP_STORED:
+        return False
+    dtype, shape, nbytes = layouts[pickled]
+    if not (dtype == target.dtype and shape == tuple(item.lengths) == tuple(target.shape) and target.is_contiguous()
+            and not any(item.storage_offsets) and record.file_size == nbytes and start + nbytes <= length):
         return False
     dest = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
     out = dest.reshape(-1).view(torch.uint8)
-    at, end = offset + start, offset + start + saved.nbytes
+    at, end = offset + start, offset + start + nbytes
     while at < end:
         block = blocks.block(at // BLOCK)
         take = min(end - at, len(block) - at % BLOCK)
         if take <= 0:
             raise CheckpointError(f"{blocks.path} is shorter than its checksums say (truncated)")
-        out[at - offset - start : at - offset - start + take].copy_(
-            torch.frombuffer(block[at % BLOCK : at % BLOCK + take], dtype=torch.uint8))
+        done = at - offset - start
+        out[done : done + take].copy_(torch.frombuffer(block[at % BLOCK : at % BLOCK + take], dtype=torch.uint8))
         at += take
     if dest is not target:
         target.copy_(dest)
@@ -831,15 +846,15 @@ class _VerifiedBlocks:
 
     def __init__(self, path, checksums):
         self.path, self.checksums, self.f = path, checksums, open(path, "rb", buffering=0)
-        self.blocks, self.spare = {}, []  # block number -> memoryview of its checked bytes, most recent last
+        self.blocks, self.spare = {}, []  # block number -> memoryview of its checked bytes
 
     def block(self, b):
         view = self.blocks.pop(b, None)
         if view is None:
             if b >= len(self.checksums):
                 raise CheckpointError(f"{self.path} is longer than its checksums say (corrupted)")
-            if len(self.blocks) >= self.KEEP:  # the least recently used block's buffer is reused
-                self.spare.append(self.blocks.pop(next(iter(self.blocks))).obj)
+            if len(self.blocks) >= self.KEEP:  # reading goes forward: the first block's buffer is reused
+                self.spare.append(self.blocks.pop(min(self.blocks)).obj)
             full = memoryview(self.spare.pop() if self.spare else bytearray(BLOCK))
             view = full[: _read_block(self.f, b, full)]
             if _hex(_crc(view)) != self.checksums[b]:
@@ -848,7 +863,14 @@ class _VerifiedBlocks:
         return view
 
     def read(self, offset, length):
-        return _BlockView(self, offset, length)
+        if length > (1 << 20):
+            return _BlockView(self, offset, length)
+        # A small range (a value, a small tensor) is copied into a BytesIO: torch.load then reads it
+        # at C speed instead of through _BlockView's Python readinto, call by call.
+        view = _BlockView(self, offset, length)
+        data = bytearray(length)
+        view.readinto(data)
+        return io.BytesIO(data)
 
     def close(self):
         self.f.close()
@@ -1016,7 +1038,7 @@ def _extras(extra, rng):
     for name, obj in objects.items():
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):  # restored in place, so not a value
             raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, which has no state_dict() and "
-                                  "load_state_dict(): wrap it in an object that has both (see the README's data position)")
+                                  "load_state_dict(): wrap it in an object that has both (the README's Position)")
     if rng:
         objects["rng"] = _RNG()  # the name is ours: user extras live under extra.<name>, RNG under rank.<r>.rng
     return objects
@@ -1115,8 +1137,8 @@ def _moments(v):
 
 
 def _local_prints(model_sd):
-    """This rank's part of the fingerprint: summed over ranks (mod _P), an int per tensor of model_sd that
-    is identical under any sharding, replication or world size.
+    """This rank's part of the fingerprint, {fqn: int}: summed over ranks (mod _P), an int per tensor of
+    model_sd that is identical under any sharding, replication or world size.
 
     Each element is counted once: a DTensor's shard by the replica whose coordinate
     is 0 on every Replicate mesh dimension (HSDP keeps a copy per replica), at the
@@ -1138,19 +1160,7 @@ def _local_prints(model_sd):
         local = _weighted_sum(t.to_local(), t.__create_chunk_list__()[0].offsets)  # where DCP stores this shard
         return local * pow(copies, -1, _P) % _P
 
-    return [local(fqn, t) if isinstance(t, DTensor) or dist.get_rank() == 0 else 0 for fqn, t in tensors.items()]
-
-
-def fingerprint(model_sd, group):
-    """{fqn: int} over the model's state, identical under any sharding, replication or world size (see _local_prints)."""
-    tensors = [fqn for fqn, t in model_sd.items() if isinstance(t, torch.Tensor)]
-    sums, err = _capture(_local_prints, model_sd)
-    # A failure on one rank rides in the same all-reduce (the last element): no rank is left waiting.
-    total = torch.tensor((sums or [0] * len(tensors)) + [1 if err else 0], dtype=torch.int64)
-    _collective(lambda: dist.all_reduce(total, group=group), group, "fingerprint")
-    if total[-1].item():
-        _check_all(err, group, "fingerprint")
-    return {fqn: total[i].item() % _P for i, fqn in enumerate(tensors)}
+    return {fqn: local(fqn, t) if isinstance(t, DTensor) or dist.get_rank() == 0 else 0 for fqn, t in tensors.items()}
 
 
 def _param_names(model, model_sd):
@@ -1211,11 +1221,19 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     # An extra that differs between ranks would be de-duplicated by DCP to one rank's copy: keep it per rank.
     per_rank = ["rng"] if rng else []
     if extra:
-        compared = {n: _digest(extras[n][1]) for n in sorted(extras) if n != "rng"}  # same order on every rank
+        # The same keys, in the same order, on every rank (a digest that fails is a value that differs).
+        compared = {n: _capture(_digest, extras[n][1])[0] or f"rank {rank}" for n in sorted(extras) if n != "rng"}
         per_rank = sorted(per_rank + _differ(compared, group, "save: compare extras"))
     for name, (structure, leaves) in extras.items():
         prefix = f"rank.{rank}.{name}" if name == "rng" else f"rank.{rank}.extra.{name}" if name in per_rank else f"extra.{name}"
         flat.update({prefix + k: v for k, v in leaves.items()})
+    # A value that is not a DTensor (a step, an lr, a buffer) is the same on every rank (checked in 2) and
+    # DCP keeps one copy, which every rank reads on load. Rank 0 alone hands them to DCP, and first: they
+    # share the first block or two of rank 0's file, where DCP would spread them over every rank's
+    # files, and each rank would read and check most of the others' files (and need their checksums).
+    if rank != 0:
+        flat = {k: v for k, v in flat.items() if isinstance(v, DTensor) or k.startswith(f"rank.{rank}.")}
+    flat = dict(sorted(flat.items(), key=lambda kv: isinstance(kv[1], DTensor)))
 
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on mkdir/rmtree.
     tmp, final = _rank0(_prepare, group, f"save: prepare step {step} in {root}", root, step)
@@ -1256,7 +1274,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     # Staged before anything collective starts, so a rank that cannot stage (out of host memory)
     # fails every rank here, with no write of the others left waiting for it.
     staged, err = _capture(_stager().stage, flat)
-    shared = [] if err else _aliased(staged, flat)
+    shared = [] if err else _capture(_aliased, staged, flat)[0] or []
     if shared:  # e.g. "offload to CPU" of a tensor already on CPU: the next step would change the checkpoint
         err = f"the staged copy of {shared[:5]} shares memory with the live state: it would change while written"
     _check_all(err, group, "save: stage the state")
@@ -1304,8 +1322,9 @@ def wait_pending():
 class PendingSave:
     """A save being written. wait() blocks until it is committed, on every rank.
 
-    The write and this rank's checksums run in a background thread; the commit
-    (a collective, then rank 0's rename) runs in the caller's thread, in wait().
+    The write, its checksums and this rank's fingerprint sums run in a background
+    thread (in the caller's, for a synchronous save); the commit (a gather, rank
+    0's rename, an all-reduce) runs in the caller's thread, in wait().
     """
 
     def __init__(self, tmp, final, manifest, structures, group, keep, fqns):
@@ -1318,7 +1337,9 @@ class PendingSave:
         def job():
             write()
             # The fingerprint of what was written: of the staged copy on an async save, off the training thread.
-            prints = _local_prints({f: state["model." + f] for f in self.fqns})
+            # Rank 0 alone holds the tensors that are not DTensors (see save), and alone counts them.
+            mine = _local_prints({f: state["model." + f] for f in self.fqns if "model." + f in state})
+            prints = [mine.get(f, 0) for f in self.fqns]
             rank = dist.get_rank()
             return {n: dict(d, rank=rank) for n, d in writer.fs.files.items()}, prints
 
@@ -1347,7 +1368,8 @@ class PendingSave:
             if self in _in_flight:
                 _in_flight.remove(self)
             # 5. Every rank checksummed its own files (or failed); rank 0 collects them and commits.
-            parts = _to_rank0({"files": files, "prints": prints, "error": err, "structures": self.structures}, self.group,
+            mine = {"files": files, "prints": prints, "error": err, "structures": self.structures}
+            parts = _to_rank0(mine, self.group,
                               f"save of {self.final}: gather checksums")
             # No rank returns before the rename (and retention) is done: returning means "committed".
             _, err = _capture(_commit_rank0, self, parts) if dist.get_rank() == 0 else (None, None)
@@ -1523,7 +1545,11 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.abspath(path)
 
-    # 1. Rank 0 chooses the checkpoint, so all ranks load the same one.
+    # 1. Agree on the arguments first: a rank in save() and another in load() meet here, not in a hang.
+    _check_all(None, group, "load()", {"path": path, "optimizer": optimizer is not None,
+                                       "extra": sorted(extra or {}), "rng": rng, "verify": verify})
+
+    # 2. Rank 0 chooses the checkpoint, so all ranks load the same one.
     def choose():
         found = find_checkpoint(path)
         if found == path and not os.path.isdir(path):
@@ -1534,10 +1560,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         return [(found, manifest and _share(manifest, r, world), damaged) for r in range(world)]
 
     ckpt_dir, manifest, damaged = _rank0_each(choose, group, f"load: find a checkpoint in {path}")
-    args = {"path": path, "optimizer": optimizer is not None, "extra": sorted(extra or {}), "rng": rng,
-            "verify": verify}
     if ckpt_dir is None:
-        _check_all(None, group, "load()", args)
         return None
 
     def refuse(e):
@@ -1545,10 +1568,9 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         hint = f" The newest older committed checkpoint is {older}; pass it explicitly to load it." if older else ""
         return CheckpointError(f"refusing to load a damaged checkpoint: {e}.{hint}")
 
-    # 2-4. Verify files: every file is there with its size, each rank a share of them (checksums are
+    # 3-4. Verify files: every file is there with its size, each rank a share of them (checksums are
     # checked as the bytes are read, in 5, so no file is read twice). Verify keys against DCP's metadata,
-    # read without executing anything from the file. Then agree, in one all-reduce, on these and on
-    # the arguments: nothing collective ran on anything that could differ between ranks before this.
+    # read without executing anything from the file.
     if manifest is None:
         raise refuse(damaged)
 
@@ -1563,9 +1585,9 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     if not err:
         prepared, mismatch = _capture(_targets, model, optimizer, extra, rng, manifest, metadata, ckpt_dir)
     try:
-        _check_all(err, group, f"load: verify {ckpt_dir}", args)
+        _check_all(err, group, f"load: verify {ckpt_dir}")
     except CheckpointError as e:
-        raise (refuse(e) if "failed on" in str(e) else e) from e
+        raise refuse(e) from e
     _check_all(None if prepared else mismatch, group, f"load: match {ckpt_dir} to the model")
     structure, template, request, plan, without = prepared
 
@@ -1591,8 +1613,9 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     fqns = list(manifest["fingerprint"])
     sums = [0] * len(fqns)
     if not err:
-        current = get_model_state_dict(model, options=SD_OPTIONS)
-        sums, err = _capture(_local_prints, {f: current[f] for f in fqns})
+        current, err = _capture(lambda: get_model_state_dict(model, options=SD_OPTIONS))
+        if not err:
+            sums, err = _capture(lambda: list(_local_prints({f: current[f] for f in fqns}).values()))
         sums = sums or [0] * len(fqns)
         if not err and optimizer is not None:
             err = _check_optimizer(model, optimizer, manifest["optimizer"], current)
@@ -1611,11 +1634,12 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
 
 
 def _share(manifest, rank, world):
-    """The part of the manifest rank needs: the files it stats (a share of all), its own files' and
-    .metadata's checksums, its own per-rank structures. A reader that needs another file's checksums
-    (a load at another world size) reads them from manifest.json (SafeReader)."""
+    """The part of the manifest rank needs: the files it stats (a share of all), the checksums of
+    .metadata, of its own files and of rank 0's (which hold the values stored once), its own per-rank
+    structures. A reader that needs another file's checksums (a load at another world size) reads
+    them from manifest.json (SafeReader)."""
     names = sorted(manifest["files"])
-    needed = set(names[rank::world]) | {n for n in names if n == ".metadata" or n.startswith(f"__{rank}_")}
+    needed = set(names[rank::world]) | {n for n in names if n == ".metadata" or n.startswith((f"__{rank}_", "__0_"))}
     return dict(manifest, stat=names[rank::world], files={n: manifest["files"][n] for n in sorted(needed)},
                 per_rank={n: {rank: s[rank]} if rank < len(s) else {} for n, s in manifest["per_rank"].items()})
 

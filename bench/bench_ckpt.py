@@ -90,7 +90,7 @@ def install_profile():
     timed(ckpt, "_state", "get_state_dict")
     timed(ckpt, "get_state_dict", "get_state_dict")
     timed(ckpt, "fingerprint", "fingerprint")
-    timed(ckpt, "_fingerprint", "fingerprint")
+    timed(ckpt, "_local_prints", "fingerprint")
     timed(dcp.FileSystemWriter, "stage", "staging copy")  # DCP's stager for a FileSystemWriter ...
     timed(DefaultStager, "stage", "staging copy")  # ... or the one ckpt.save passes
     timed(dcp, "save", "dcp.save")
@@ -101,7 +101,8 @@ def install_profile():
     if "read_data" in vars(ckpt.SafeReader):  # its own reads, checked against the manifest
         timed(ckpt.SafeReader, "read_data", "safe read_data")
     timed(os, "fsync", "os.fsync")
-    timed(ckpt, "_describe_own", "checksum own")
+    timed(ckpt, "_describe_own", "checksum own")  # older versions: a second pass over the files
+    timed(ckpt, "_read_into", "read into")
     timed(ckpt, "verify_files", "verify")
     timed(ckpt, "set_state_dict", "set_state_dict")
     timed(ckpt, "_commit", "commit")
@@ -110,7 +111,7 @@ def install_profile():
 # How the profile is printed: (key, label); "  " marks a part of the item above.
 LABELS = [
     ("get_state_dict", "get_state_dict (sharded)"),
-    ("fingerprint", "fingerprint (sum of bits, all-reduce)"),
+    ("fingerprint", "fingerprint (this rank's sums of bits)"),
     ("staging copy", "staging copy to host memory (async)"),
     ("dcp.save", "dcp.save: plan + write + .metadata"),
     ("write_data", "  write_data: serialize + write + fsync"),
@@ -120,6 +121,7 @@ LABELS = [
     ("verify", "ckpt.verify_files: sizes (and checksums, if a separate pass)"),
     ("dcp.load", "dcp.load: plan + read"),
     ("safe read_data", "  ckpt.SafeReader.read_data: read + check checksums + deserialize"),
+    ("read into", "    of which tensors copied straight from checked blocks (reads included)"),
     ("read_data", "  FileSystemReader.read_data: read + deserialize (unchecked)"),
     ("set_state_dict", "set_state_dict"),
     ("full get_state_dict", "get_state_dict(full_state_dict, cpu_offload)"),
