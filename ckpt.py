@@ -26,9 +26,10 @@ Save protocol (save()):
      live run is refused instead of deleting our files) and creates
      root/.tmp-step-N-<id>; every rank checks it can see it (a node-local root
      would scatter the shards over several disks).
-  4. Write. dcp.save() writes each rank's shards; any rank's failure is raised
-     on every rank. A thread CRCs each 16 MB block as soon as it is written, so
-     the checksums cost no second pass; then the rank fingerprints its shards.
+  4. Write. dcp.save() writes each rank's shards (and rank 0 the values stored
+     once, first in its file); any rank's failure is raised on every rank. A
+     thread CRCs each 16 MB block as soon as it is written, so the checksums
+     cost no second pass; then the rank fingerprints its shards.
   5. Commit. Rank 0 gathers checksums and fingerprint sums, writes manifest.json
      (checksums, fingerprint, structure of the extras, commit sequence number),
      fsyncs it and renames the directory to root/step-N: readers see all of it
