@@ -627,14 +627,22 @@ def committed_steps(root):
     return sorted(int(m.group(1)) for m in found if m and os.path.isfile(os.path.join(root, m.group(0), MANIFEST)))
 
 
+_seqs = {}  # manifest path -> (its stat, its seq): every save orders the commits, each manifest is read once
+
+
 def _commits(root):
     """[(seq, name)] of readable commits under root (abandoned ones included), oldest commit first."""
     out = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         if STEP_RE.match(name) or ABANDONED_RE.match(name):
+            path = os.path.join(root, name, MANIFEST)
             try:
-                out.append((read_manifest(os.path.join(root, name))["seq"], name))
-            except CheckpointError:
+                st = os.stat(path)
+                seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+                if _seqs.get(path, (None,))[0] != seen:
+                    _seqs[path] = (seen, read_manifest(os.path.dirname(path))["seq"])
+                out.append((_seqs[path][1], name))
+            except (OSError, CheckpointError):
                 pass  # not a commit we can order; find_checkpoint() and load() deal with it
     return sorted(out)
 
