@@ -68,7 +68,8 @@ On-disk layout:
         manifest.json           ours: step, commit sequence, world size, fingerprint, size
                                 and block checksums of every file, structure of the extras
         .metadata               DCP: which key lives in which file (pickle)
-        __0_0.distcp            DCP: rank 0's shards of every tensor
+        __0_0.distcp            DCP: the values stored once (steps, lrs, buffers), then
+                                rank 0's shards of every tensor
         __1_0.distcp            DCP: rank 1's shards ...
       step-00000200/
       .tmp-step-00000300-1a2b/  a save in progress or crashed: never loaded
