@@ -761,7 +761,7 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
     def checksums(self, name):
-        if name not in self.manifest["files"]:  # load() handed this rank its own files' checksums only
+        if name not in self.manifest["files"]:  # load() handed this rank its own and rank 0's files' only
             full = read_manifest(str(self.path))
             if full["manifest_sha256"] != self.manifest["manifest_sha256"]:
                 raise CheckpointError(f"{self.path}/{MANIFEST} changed while it was being loaded")
@@ -847,9 +847,9 @@ def _read_into(target, item, blocks, offset, length, data, layouts):
 
 class _VerifiedBlocks:
     """A file read through its checksummed 16 MB blocks: read(offset, length) returns a file-like view of
-    that range, whose reads copy out of blocks that were checked when they were read. A few blocks are
-    kept, in reused buffers, so the zip reads of torch.load (directory at the end, then the data in
-    order) rarely read a block twice, and no memory is allocated per range.
+    that range, whose reads copy out of blocks that were checked when they were read (a small range is
+    copied into a BytesIO at once). A few blocks are kept, in reused buffers, so the zip reads of a
+    tensor's range (its directory at the end, then its data in order) rarely read a block twice.
     """
 
     KEEP = 3
