@@ -467,17 +467,13 @@ CHECKSUM = "crc32"
 BLOCK = 1 << 24
 
 
-def _crc(data, value=0):
-    return zlib.crc32(data, value)  # releases the GIL on large buffers: other threads keep working
-
-
-def _hex(value):
-    return f"{value:08x}"
+def _crc(data):
+    return f"{zlib.crc32(data):08x}"  # zlib releases the GIL on large buffers: other threads keep working
 
 
 def _checksum(path):
     with open(path, "rb") as f:
-        return [_hex(_crc(block)) for block in iter(lambda: f.read(BLOCK), b"")]
+        return [_crc(block) for block in iter(lambda: f.read(BLOCK), b"")]
 
 
 class _ChecksumFileSystem(FileSystem):
@@ -524,7 +520,7 @@ class _ChecksumStream(io.RawIOBase):
                 for b, size in iter(self.written.get, None):
                     if (n := _read_block(f, b, buf)) != size:  # a file system that hides what another handle wrote
                         raise CheckpointError(f"{path}: read back {n} bytes of block {b}, {size} were written")
-                    self.blocks.append(_hex(_crc(buf[:n])))
+                    self.blocks.append(_crc(buf[:n]))
                     if hasattr(os, "posix_fadvise"):  # Linux starts writing the block to disk now, not at the fsync
                         os.posix_fadvise(f.fileno(), b * BLOCK, BLOCK, os.POSIX_FADV_DONTNEED)
         except BaseException as e:  # noqa: B036 - handed to the writer in close()
@@ -734,7 +730,7 @@ def read_metadata(ckpt_dir, manifest=None):
     try:
         with open(path, "rb") as f:
             data = f.read()
-        if manifest is not None and [_hex(_crc(data[i : i + BLOCK])) for i in range(0, len(data), BLOCK)] != \
+        if manifest is not None and [_crc(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)] != \
                 manifest["files"][".metadata"][CHECKSUM]:
             raise CheckpointError(f"{path} does not match its checksum (corrupted)")
         return _MetadataUnpickler(io.BytesIO(data)).load()
@@ -867,7 +863,7 @@ class _VerifiedBlocks:
                 self.spare.append(self.blocks.pop(min(self.blocks)).obj)
             full = memoryview(self.spare.pop() if self.spare else bytearray(BLOCK))
             view = full[: _read_block(self.f, b, full)]
-            if _hex(_crc(view)) != self.checksums[b]:
+            if _crc(view) != self.checksums[b]:
                 raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
         self.blocks[b] = view
         return view
