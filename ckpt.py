@@ -228,12 +228,6 @@ def _differ(values, group, what):
     return [k for i, k in enumerate(values) if t[2 * i].item() != -t[2 * i + 1].item()]
 
 
-def _from_rank0(obj, group, what):
-    box = [obj]
-    _collective(lambda: dist.broadcast_object_list(box, src=0, group=group), group, what)
-    return box[0]
-
-
 def _to_rank0(obj, group, what):
     """Gather JSON-able objects on rank 0 (a list there, None elsewhere): each other rank sends only its own."""
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
@@ -275,10 +269,7 @@ def _rank0_each(fn, group, what, *args):
 
 def _rank0(fn, group, what, *args):
     """Run fn on rank 0 only and hand every rank its result; its failure is raised on every rank."""
-    result, err = _from_rank0(_capture(fn, *args) if dist.get_rank() == 0 else None, group, what)
-    if err:
-        raise CheckpointError(f"{what} failed on rank 0: {err}")
-    return result
+    return _rank0_each(lambda: [fn(*args)] * dist.get_world_size(group), group, what)
 
 
 # ---------------------------------------------------------------------------
