@@ -817,16 +817,10 @@ def _read_into(target, item, blocks, offset, length, data, layouts):
             and not any(item.storage_offsets) and record.file_size == nbytes and start + nbytes <= length):
         return False
     dest = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
-    out = dest.reshape(-1).view(torch.uint8)
-    at, end = offset + start, offset + start + nbytes
-    while at < end:
-        block = blocks.block(at // BLOCK)
-        take = min(end - at, len(block) - at % BLOCK)
-        if take <= 0:
-            raise CheckpointError(f"{blocks.path} is shorter than its checksums say (truncated)")
-        done = at - offset - start
-        out[done : done + take].copy_(torch.frombuffer(block[at % BLOCK : at % BLOCK + take], dtype=torch.uint8))
-        at += take
+    out, done = dest.reshape(-1).view(torch.uint8), 0
+    for piece in blocks.pieces(offset + start, nbytes):
+        out[done : done + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8))
+        done += len(piece)
     if dest is not target:
         target.copy_(dest)
     return True
@@ -859,6 +853,17 @@ class _VerifiedBlocks:
         self.blocks[b] = view
         return view
 
+    def pieces(self, at, n):
+        """Bytes [at, at + n) as checked memoryviews, in order, one per block they span."""
+        end = at + n
+        while at < end:
+            block = self.block(at // BLOCK)
+            piece = block[at % BLOCK : min(len(block), at % BLOCK + end - at)]
+            if not piece:
+                raise CheckpointError(f"{self.path} is shorter than its checksums say (truncated)")
+            yield piece
+            at += len(piece)
+
     def read(self, offset, length):
         if length > (1 << 20):
             return _BlockView(self, offset, length)
@@ -888,17 +893,10 @@ class _BlockView(io.RawIOBase):
 
     def readinto(self, out):
         out = memoryview(out).cast("B")
-        n = max(0, min(len(out), self.length - self.pos))
-        done = 0
-        while done < n:
-            at = self.offset + self.pos + done
-            block = self.blocks.block(at // BLOCK)
-            start = at % BLOCK
-            take = min(n - done, len(block) - start)
-            if take <= 0:
-                raise CheckpointError(f"{self.blocks.path} is shorter than its checksums say (truncated)")
-            out[done : done + take] = block[start : start + take]
-            done += take
+        n, done = max(0, min(len(out), self.length - self.pos)), 0
+        for piece in self.blocks.pieces(self.offset + self.pos, n):
+            out[done : done + len(piece)] = piece
+            done += len(piece)
         self.pos += n
         return n
 
