@@ -1260,12 +1260,11 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     writer.fs = _ChecksumFileSystem()  # checksums every file as it is written
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False)  # keys are flat already: load() asks for these
     if not async_save:
-        pending.start(flat, writer, lambda: dcp.save(flat, storage_writer=writer, planner=planner, process_group=group),
-                      background=False)
+        pending.start(flat, writer, planner, group, background=False)
         return pending.wait()
     # The background thread runs DCP's collectives on a group of its own: the main thread
     # keeps using `group` meanwhile, and two threads on one group would interleave and deadlock.
-    background = checkpoint_group(timeout, purpose="async")
+    async_group = checkpoint_group(timeout, purpose="async")
     # Staged before anything collective starts, so a rank that cannot stage (out of host memory)
     # fails every rank here, with no write of the others left waiting for it.
     staged, err = _capture(_stager().stage, flat)
@@ -1274,8 +1273,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         err = f"the staged copy of {shared[:5]} shares memory with the live state: it would change while written"
     _check_all(err, group, "save: stage the state")
     # The state is copied to host memory: training may change parameters now.
-    pending.start(staged, writer, lambda: dcp.save(staged, storage_writer=writer, planner=planner,
-                                                   process_group=background), background=True)
+    pending.start(staged, writer, planner, async_group, background=True)
     _in_flight.append(pending)
     return pending
 
@@ -1328,9 +1326,9 @@ class PendingSave:
         self.path = None
         self.t0 = time.monotonic()
 
-    def start(self, state, writer, write, background):
+    def start(self, state, writer, planner, group, background):
         def job():
-            write()
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
             # The fingerprint of what was written: of the staged copy on an async save, off the training thread.
             # Rank 0 alone holds the tensors that are not DTensors (see save), and alone counts them.
             mine = _local_prints({f: state["model." + f] for f in self.fqns if "model." + f in state})
