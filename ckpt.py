@@ -1604,15 +1604,16 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     # 6. Verify what was restored: the fingerprint's sums and any rank's failure in one all-reduce;
     # every rank then compares the same sums with the manifest, so all decide alike.
     fqns = list(manifest["fingerprint"])
-    sums = [0] * len(fqns)
-    if not err:
-        current, err = _capture(lambda: get_model_state_dict(model, options=SD_OPTIONS))
-        if not err:
-            sums, err = _capture(lambda: list(_local_prints({f: current[f] for f in fqns}).values()))
-        sums = sums or [0] * len(fqns)
-        if not err and optimizer is not None:
-            err = _check_optimizer(model, optimizer, manifest["optimizer"], current)
-    total = torch.tensor(sums + [1 if err else 0], dtype=torch.int64)
+
+    def restored():
+        current = get_model_state_dict(model, options=SD_OPTIONS)
+        problem = _check_optimizer(model, optimizer, manifest["optimizer"], current) if optimizer is not None else None
+        if problem:
+            raise CheckpointError(problem)
+        return list(_local_prints({f: current[f] for f in fqns}).values())
+
+    sums, err = (None, err) if err else _capture(restored)
+    total = torch.tensor((sums or [0] * len(fqns)) + [1 if err else 0], dtype=torch.int64)
     _collective(lambda: dist.all_reduce(total, group=group), group, f"load: verify what {ckpt_dir} restored")
     if total[-1].item():
         _check_all(err, group, f"load: restore and verify {ckpt_dir}")
