@@ -92,6 +92,7 @@ import io
 import json
 import logging
 import math
+import mmap
 import os
 import pickle
 import queue
@@ -494,9 +495,9 @@ class _ChecksumFileSystem(FileSystem):
 
 
 class _ChecksumStream(io.RawIOBase):
-    """A file written front to back (as DCP writes). A thread reads each 16 MB block back from the page
-    cache as soon as it is written and CRCs it, beside the writes and the fsync that follow: with a core
-    to spare the checksums add no time, and they cover the bytes as they go to disk."""
+    """A file written front to back (as DCP writes). A thread maps each 16 MB block as soon as it is
+    written and CRCs it in the page cache, beside the writes and the fsync that follow: with a core to
+    spare the checksums add no time, and they cover the bytes as they go to disk."""
 
     def __init__(self, f, path):
         self.f, self.pos, self.blocks, self.error = f, 0, [], None
@@ -507,11 +508,8 @@ class _ChecksumStream(io.RawIOBase):
     def _checksums(self, path):
         try:
             with open(path, "rb", buffering=0) as f:
-                buf = memoryview(bytearray(BLOCK))
                 for b, size in iter(self.written.get, None):
-                    if (n := _read_block(f, b, buf)) != size:  # a file system that hides what another handle wrote
-                        raise CheckpointError(f"{path}: read back {n} bytes of block {b}, {size} were written")
-                    self.blocks.append(_crc(buf[:n]))
+                    self.blocks.append(_crc(_map_block(f, b, size)))
                     if hasattr(os, "posix_fadvise"):  # Linux starts writing the block to disk now, not at the fsync
                         os.posix_fadvise(f.fileno(), b * BLOCK, BLOCK, os.POSIX_FADV_DONTNEED)
         except BaseException as e:  # noqa: B036 - handed to the writer in close()
@@ -557,13 +555,20 @@ class _ChecksumStream(io.RawIOBase):
             raise self.error
 
 
-def _read_block(f, b, buf):
-    """Read block b of f into buf; returns how many bytes it holds (less than BLOCK only at the end)."""
-    f.seek(b * BLOCK)
-    n = 0
-    while n < BLOCK and (got := f.readinto(buf[n:])):
-        n += got
-    return n
+def _map_block(f, b, n):
+    """The n bytes of block b of the open file f, mapped: used straight from the page cache, with no
+    copy into a buffer first, while the kernel reads ahead. The price: a read error, or the file cut
+    short by another process while mapped, kills the process (SIGBUS) instead of raising, as with
+    safetensors or torch.load(mmap=True). Checkpoint files are never changed in place."""
+    if not n:
+        return memoryview(b"")
+    try:  # private, so torch.frombuffer takes it without a read-only warning; never written, never copied
+        return memoryview(mmap.mmap(f.fileno(), n, offset=b * BLOCK, access=mmap.ACCESS_COPY))
+    except (OSError, ValueError):  # a file system that cannot map files (some FUSE mounts), or a short file
+        view = bytearray(n)
+        if (got := os.preadv(f.fileno(), [view], b * BLOCK)) != n:
+            raise CheckpointError(f"{f.name}: block {b} holds {got} bytes, not the {n} expected") from None
+    return memoryview(view)
 
 
 def fsync_dir(path):
@@ -829,25 +834,24 @@ def _read_into(target, item, blocks, offset, length, data, layouts):
 class _VerifiedBlocks:
     """A file read through its checksummed 16 MB blocks: read(offset, length) returns a file-like view of
     that range, whose reads copy out of blocks that were checked when they were read (a small range is
-    copied into a BytesIO at once). A few blocks are kept, in reused buffers, so the zip reads of a
-    tensor's range (its directory at the end, then its data in order) rarely read a block twice.
+    copied into a BytesIO at once). A few checked blocks stay mapped, so the zip reads of a tensor's
+    range (its directory at the end, then its data in order) rarely map and check a block twice.
     """
 
     KEEP = 3
 
     def __init__(self, path, checksums):
         self.path, self.checksums, self.f = path, checksums, open(path, "rb", buffering=0)
-        self.blocks, self.spare = {}, []  # block number -> memoryview of its checked bytes
+        self.size, self.blocks = os.fstat(self.f.fileno()).st_size, {}  # block number -> its checked bytes
 
     def block(self, b):
         view = self.blocks.pop(b, None)
         if view is None:
             if b >= len(self.checksums):
                 raise CheckpointError(f"{self.path} is longer than its checksums say (corrupted)")
-            if len(self.blocks) >= self.KEEP:  # reading goes forward: the first block's buffer is reused
-                self.spare.append(self.blocks.pop(min(self.blocks)).obj)
-            full = memoryview(self.spare.pop() if self.spare else bytearray(BLOCK))
-            view = full[: _read_block(self.f, b, full)]
+            if len(self.blocks) >= self.KEEP:  # reading goes forward: the first block is unmapped
+                del self.blocks[min(self.blocks)]
+            view = _map_block(self.f, b, max(0, min(BLOCK, self.size - b * BLOCK)))
             if _crc(view) != self.checksums[b]:
                 raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
         self.blocks[b] = view
@@ -876,7 +880,7 @@ class _VerifiedBlocks:
 
     def close(self):
         self.f.close()
-        self.blocks, self.spare = {}, []
+        self.blocks = {}  # the last view of a mapping gone, it is unmapped
 
 
 class _BlockView(io.RawIOBase):
