@@ -340,14 +340,15 @@ def _claim(root, stale_after):
                 continue  # released meanwhile: try again
             dead = owner.get("host") == me["host"] and not _alive(owner.get("pid"))
             if not dead and age < stale_after:
+                who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
                 raise CheckpointError(
-                    f"{root} is in use by another run ({', '.join(f'{k} {v}' for k, v in owner.items() if k != 'run')}; "
+                    f"{root} is in use by another run ({who}; "
                     f"claim refreshed {age:.0f} s ago). Two runs on one root delete each other's checkpoints: stop "
                     f"that run or use another root. If it is gone, its claim expires {stale_after:.0f} s after its "
                     f"last refresh (check_root(stale_after=...)), or delete {path}"
                 )
-            log.warning("taking over %s from %s: %s", root, owner,
-                        "its process is gone" if dead else f"no refresh for {age:.0f} s (stale after {stale_after:.0f} s)")
+            why = "its process is gone" if dead else f"no refresh for {age:.0f} s (stale after {stale_after:.0f} s)"
+            log.warning("taking over %s from %s: %s", root, owner, why)
             try:
                 os.replace(path, os.path.join(root, f"{TMP_PREFIX}owner-{me['run']}"))  # another taker may win this
                 os.remove(os.path.join(root, f"{TMP_PREFIX}owner-{me['run']}"))
@@ -1054,6 +1055,14 @@ def _extras(extra, rng):
     return objects
 
 
+def _extra_prefix(name, rank=None):
+    """Where an extra's leaves are keyed: once for all ranks, or per rank (rank given: the RNG, and an
+    extra whose state differs between ranks)."""
+    if rank is None:
+        return f"extra.{name}"
+    return f"rank.{rank}." + ("rng" if name == "rng" else f"extra.{name}")
+
+
 def _collect(model, optimizer, extra, rng):
     """This rank's state: flat model/optimizer keys, and each extra's flat leaves and structure."""
     if optimizer is None:
@@ -1235,7 +1244,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         compared = {n: _capture(_digest, extras[n][1])[0] or f"rank {rank}" for n in sorted(extras) if n != "rng"}
         per_rank = sorted(per_rank + _differ(compared, group, "save: compare extras"))
     for name, (structure, leaves) in extras.items():
-        prefix = f"rank.{rank}.{name}" if name == "rng" else f"rank.{rank}.extra.{name}" if name in per_rank else f"extra.{name}"
+        prefix = _extra_prefix(name, rank if name in per_rank else None)
         flat.update({prefix + k: v for k, v in leaves.items()})
     # A value that is not a DTensor (a step, an lr, a buffer) is the same on every rank (checked in 2) and
     # DCP keeps one copy, which every rank reads on load. Rank 0 alone hands them to DCP, and first: they
@@ -1492,9 +1501,10 @@ def _targets(model, optimizer, extra, rng, manifest, metadata, ckpt_dir):
     reshaped = [f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(v.shape)}" for k, v in flat.items()
                 if k in saved and isinstance(v, torch.Tensor) and hasattr(saved[k], "size")
                 and tuple(saved[k].size) != tuple(v.shape)]
+    found = (("missing from the checkpoint", missing), ("not in the model/optimizer", unexpected),
+             ("of another shape", reshaped))
     problems = [f"{len(keys)} key(s) {label}: {keys[:10]}" + (f" (+{len(keys) - 10} more)" if len(keys) > 10 else "")
-                for label, keys in (("missing from the checkpoint", missing), ("not in the model/optimizer", unexpected),
-                                    ("of another shape", reshaped)) if keys]
+                for label, keys in found if keys]
     if problems:
         optim_only = all(k.startswith("optim.") for k in missing + unexpected + reshaped)
         hint = " (to load the weights alone, pass optimizer=None)" if optimizer is not None and optim_only else ""
@@ -1520,9 +1530,9 @@ def _targets(model, optimizer, extra, rng, manifest, metadata, ckpt_dir):
                     f"{manifest['world_size']}; there is no right way to give it to {world} ranks. Resume at "
                     f"{manifest['world_size']} ranks, or make its state_dict() the same on every rank (e.g. a global "
                     "position) so it reshards")
-            shape, prefix = manifest["per_rank"][name][rank], f"rank.{rank}." + ("rng" if name == "rng" else f"extra.{name}")
+            shape, prefix = manifest["per_rank"][name][rank], _extra_prefix(name, rank)
         elif name in manifest["extra"]:
-            shape, prefix = manifest["extra"][name], f"extra.{name}"
+            shape, prefix = manifest["extra"][name], _extra_prefix(name)
         else:
             raise CheckpointError(f"extra {name!r} is not in {ckpt_dir}; it holds {sorted(manifest['extra'])}")
         live = {}
@@ -1533,7 +1543,8 @@ def _targets(model, optimizer, extra, rng, manifest, metadata, ckpt_dir):
                 raise CheckpointError(f"{ckpt_dir} lacks {prefix + key} of extra {name!r}")
             have = live.get(key)
             if hasattr(meta, "size"):  # a tensor
-                fits = isinstance(have, torch.Tensor) and tuple(have.shape) == tuple(meta.size) and have.dtype == meta.properties.dtype
+                fits = (isinstance(have, torch.Tensor) and tuple(have.shape) == tuple(meta.size)
+                        and have.dtype == meta.properties.dtype)
                 request[prefix + key] = have if fits else torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
             else:
                 request[prefix + key] = None  # filled by SafeLoadPlanner.load_bytes
