@@ -570,10 +570,10 @@ def _written_block(f, b, n):
 
 
 def _read_block(f, b, buf):
-    """Read block b of f into buf; returns how many bytes it holds (less than len(buf) only at the end)."""
-    f.seek(b * BLOCK)
+    """Read block b of f into buf; returns how many bytes it holds (less than len(buf) only at the end).
+    Positional reads: two threads may read one file at once."""
     n = 0
-    while n < len(buf) and (got := f.readinto(buf[n:])):
+    while n < len(buf) and (got := os.preadv(f.fileno(), [buf[n:]], b * BLOCK + n)):
         n += got
     return n
 
@@ -849,11 +849,16 @@ class _VerifiedBlocks:
     kills the process (SIGBUS) where read() raises. Mapping was 15-20 % faster on this path.
     """
 
-    KEEP = 3
+    KEEP = 3  # checked blocks kept
+    AHEAD = 2  # blocks being read ahead, at most
 
     def __init__(self, path, checksums):
         self.path, self.checksums, self.f = path, checksums, open(path, "rb", buffering=0)
         self.blocks, self.spare = {}, []  # block number -> memoryview of its checked bytes
+        # The next block is read in a thread while this one is checked and copied (read() and zlib
+        # release the GIL): with a core to spare, the disk does not wait for the CRC.
+        self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read")
+        self.ahead = {}  # block number -> (its buffer, future of the bytes read)
 
     def block(self, b):
         view = self.blocks.pop(b, None)
@@ -862,12 +867,33 @@ class _VerifiedBlocks:
                 raise CheckpointError(f"{self.path} is longer than its checksums say (corrupted)")
             if len(self.blocks) >= self.KEEP:  # reading goes forward: the first block's buffer is reused
                 self.spare.append(self.blocks.pop(min(self.blocks)).obj)
-            full = memoryview(self.spare.pop() if self.spare else bytearray(BLOCK))
-            view = full[: _read_block(self.f, b, full)]
+            if b in self.ahead:
+                full, read = self.ahead.pop(b)
+                view = full[: read.result()]
+            else:
+                full = self._buffer()
+                view = full[: _read_block(self.f, b, full)]
+            self._read_ahead(b + 1)
             if _crc(view) != self.checksums[b]:
                 raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
         self.blocks[b] = view
         return view
+
+    def _buffer(self):
+        return memoryview(self.spare.pop() if self.spare else bytearray(BLOCK))
+
+    def _read_ahead(self, b):
+        if b >= len(self.checksums) or b in self.blocks or b in self.ahead:
+            return
+        if len(self.ahead) >= self.AHEAD:  # a guess that was not used: its buffer back
+            self._drop(min(self.ahead))
+        buf = self._buffer()
+        self.ahead[b] = (buf, self.reader.submit(_read_block, self.f, b, buf))
+
+    def _drop(self, b):
+        buf, read = self.ahead.pop(b)
+        concurrent.futures.wait([read])  # never reuse a buffer, or close the file, under a running read
+        self.spare.append(buf.obj)
 
     def pieces(self, at, n):
         """Bytes [at, at + n) as checked memoryviews, in order, one per block they span."""
@@ -891,6 +917,9 @@ class _VerifiedBlocks:
         return io.BytesIO(data)
 
     def close(self):
+        for b in list(self.ahead):
+            self._drop(b)
+        self.reader.shutdown()
         self.f.close()
         self.blocks, self.spare = {}, []
 

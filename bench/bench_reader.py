@@ -1,11 +1,13 @@
 """One rank, no collectives: ckpt.SafeReader (every block CRC-checked) against DCP's FileSystemReader.
 
     python bench/bench_reader.py                      # 36 tensors of 16 MB (600 MB) in /tmp; ~1 min
+    python bench/bench_reader.py --warm               # from the page cache: the CPU path alone, no disk noise
     python bench/bench_reader.py --mb 16 --count 72 --repeat 7 --dir /data
 
 Writes one checkpoint with dcp.save through ckpt's checksumming file system (the manifest's checksums come from
 it), then loads it --repeat times with each reader, alternating which goes first, each from a cold page cache
-(posix_fadvise DONTNEED per file). Prints the median seconds and checks both readers returned the same tensors.
+(posix_fadvise DONTNEED per file) unless --warm, into the same target tensors each time (zeroed first, untimed),
+as a load into live parameters. Prints the median seconds and checks both readers returned the same tensors.
 On a multi-rank run the two readers do the same per rank; here no other rank competes for the cores.
 """
 
@@ -30,6 +32,7 @@ def main():
     p.add_argument("--count", type=int, default=36)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dir", default="/tmp")
+    p.add_argument("--warm", action="store_true", help="read from the page cache (no drop before each load)")
     args = p.parse_args()
     d = os.path.join(args.dir, f"bench_reader-{os.getpid()}")
     try:
@@ -42,11 +45,14 @@ def main():
         metadata = ckpt.read_metadata(d)
         readers = {"ckpt.SafeReader (checked)": lambda: ckpt.SafeReader(d, metadata, manifest),
                    "dcp.FileSystemReader (unchecked)": lambda: dcp.FileSystemReader(d)}
-        seconds, loaded = {k: [] for k in readers}, {}
+        seconds = {k: [] for k in readers}
+        loaded = {k: {n: torch.zeros_like(v) for n, v in state.items()} for k in readers}  # reused, as live params
         for r in range(args.repeat):
             for name in list(readers)[:: 1 if r % 2 == 0 else -1]:
-                target = {k: torch.empty_like(v) for k, v in state.items()}
-                for n in os.listdir(d):
+                target = loaded[name]
+                for t in target.values():
+                    t.zero_()
+                for n in os.listdir(d) if not args.warm else []:
                     fd = os.open(os.path.join(d, n), os.O_RDONLY)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     os.close(fd)
@@ -54,11 +60,11 @@ def main():
                 dcp.load(target, storage_reader=readers[name](),
                          planner=dcp.DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
                 seconds[name].append(time.perf_counter() - t0)
-                loaded[name] = target
         same = all(torch.equal(a, b) for a, b in zip(*(v.values() for v in loaded.values())))
         gb = sum(v.nbytes for v in state.values()) / 1e9
         print(f"## bench_reader.py\n\ncommand: python {' '.join(sys.argv)}\n\n{args.count} tensors of {args.mb} MB "
-              f"({gb:.2f} GB), torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}\n")
+              f"({gb:.2f} GB), {'page cache warm' if args.warm else 'cold page cache'}, torch {torch.__version__}, "
+              f"load average {os.getloadavg()[0]:.1f}\n")
         print(f"| reader | seconds (median of {args.repeat}: all runs) | GB/s |\n|---|---|---|")
         for name, s in seconds.items():
             m = statistics.median(s)
