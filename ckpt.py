@@ -570,10 +570,10 @@ def _written_block(f, b, n):
 
 
 def _read_block(f, b, buf):
-    """Read block b of f into buf; returns how many bytes it holds (less than len(buf) only at the end).
-    Positional reads: two threads may read one file at once."""
+    """Read block b of f into buf; returns how many bytes it holds (less than len(buf) only at the end)."""
+    f.seek(b * BLOCK)
     n = 0
-    while n < len(buf) and (got := os.preadv(f.fileno(), [buf[n:]], b * BLOCK + n)):
+    while n < len(buf) and (got := f.readinto(buf[n:])):
         n += got
     return n
 
@@ -849,15 +849,17 @@ class _VerifiedBlocks:
     kills the process (SIGBUS) where read() raises. Mapping was 15-20 % faster on this path.
     """
 
-    KEEP = 3  # checked blocks kept
+    KEEP = 3  # checked blocks kept; with AHEAD, at most 6 buffers of 16 MB per file being read
     AHEAD = 2  # blocks being read ahead, at most
 
     def __init__(self, path, checksums):
         self.path, self.checksums, self.f = path, checksums, open(path, "rb", buffering=0)
         self.blocks, self.spare = {}, []  # block number -> memoryview of its checked bytes
-        # The next block is read in a thread while this one is checked and copied (read() and zlib
-        # release the GIL): with a core to spare, the disk does not wait for the CRC.
+        # While reading forward, the next block is read in a thread (with a handle of its own) while this
+        # one is checked and copied (read() and zlib release the GIL): with a core to spare, the disk does
+        # not wait for the CRC.
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read")
+        self.f_ahead = open(path, "rb", buffering=0)
         self.ahead = {}  # block number -> (its buffer, future of the bytes read)
 
     def block(self, b):
@@ -865,6 +867,7 @@ class _VerifiedBlocks:
         if view is None:
             if b >= len(self.checksums):
                 raise CheckpointError(f"{self.path} is longer than its checksums say (corrupted)")
+            forward = b - 1 in self.blocks  # not a jump (to a range's end, or another rank's part)
             if len(self.blocks) >= self.KEEP:  # reading goes forward: the first block's buffer is reused
                 self.spare.append(self.blocks.pop(min(self.blocks)).obj)
             if b in self.ahead:
@@ -873,7 +876,8 @@ class _VerifiedBlocks:
             else:
                 full = self._buffer()
                 view = full[: _read_block(self.f, b, full)]
-            self._read_ahead(b + 1)
+            if forward:
+                self._read_ahead(b + 1)
             if _crc(view) != self.checksums[b]:
                 raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
         self.blocks[b] = view
@@ -888,7 +892,7 @@ class _VerifiedBlocks:
         if len(self.ahead) >= self.AHEAD:  # a guess that was not used: its buffer back
             self._drop(min(self.ahead))
         buf = self._buffer()
-        self.ahead[b] = (buf, self.reader.submit(_read_block, self.f, b, buf))
+        self.ahead[b] = (buf, self.reader.submit(_read_block, self.f_ahead, b, buf))
 
     def _drop(self, b):
         buf, read = self.ahead.pop(b)
@@ -917,11 +921,14 @@ class _VerifiedBlocks:
         return io.BytesIO(data)
 
     def close(self):
-        for b in list(self.ahead):
-            self._drop(b)
-        self.reader.shutdown()
-        self.f.close()
-        self.blocks, self.spare = {}, []
+        try:
+            for b in list(self.ahead):
+                self._drop(b)
+            self.reader.shutdown()
+        finally:
+            self.f.close()
+            self.f_ahead.close()
+            self.blocks, self.spare = {}, []
 
 
 class _BlockView(io.RawIOBase):
