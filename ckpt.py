@@ -846,7 +846,7 @@ class _VerifiedBlocks:
 
     Blocks are read into buffers of our own, not mapped: mapped bytes could change between the check
     and their use (the file rewritten, or a page evicted and read again), and a read error there
-    kills the process (SIGBUS) where read() raises. Mapping was 15-20 % faster on this path.
+    kills the process (SIGBUS) where read() raises. (The README gives what mapping would gain.)
     """
 
     KEEP = 3  # checked blocks kept; with AHEAD, at most 6 buffers of 16 MB per file being read
