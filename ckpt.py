@@ -91,7 +91,6 @@ import hashlib
 import io
 import json
 import logging
-import math
 import mmap
 import os
 import pickle
@@ -911,11 +910,11 @@ class _VerifiedBlocks:
             at += len(piece)
 
     def read(self, offset, length):
+        view = _BlockView(self, offset, length)
         if length > (1 << 20):
-            return _BlockView(self, offset, length)
+            return view
         # A small range (a value, a small tensor) is copied into a BytesIO: torch.load then reads it
         # at C speed instead of through _BlockView's Python readinto, call by call.
-        view = _BlockView(self, offset, length)
         data = bytearray(length)
         view.readinto(data)
         return io.BytesIO(data)
@@ -1672,7 +1671,8 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         problem = _check_optimizer(model, optimizer, manifest["optimizer"], current) if optimizer is not None else None
         if problem:
             raise CheckpointError(problem)
-        return list(_local_prints({f: current[f] for f in fqns}).values())
+        mine = _local_prints({f: current[f] for f in fqns})
+        return [mine[f] for f in fqns]  # by name, in the manifest's order, as save() sums them
 
     sums, err = (None, err) if err else _capture(restored)
     total = torch.tensor((sums or [0] * len(fqns)) + [1 if err else 0], dtype=torch.int64)
