@@ -456,7 +456,7 @@ def _release():
 # itself is not signed), and runs 2-3x faster than sha256. Per block, so that load() can check
 # exactly the bytes it reads, as it reads them, instead of reading every file twice.
 CHECKSUM = "crc32"
-BLOCK = 1 << 24
+BLOCK = 1 << 24  # part of the format: a checkpoint's checksums are per BLOCK bytes (change FORMAT with it)
 
 
 def _crc(data):
@@ -575,6 +575,18 @@ def _read_block(f, b, buf):
     while n < len(buf) and (got := f.readinto(buf[n:])):
         n += got
     return n
+
+
+def _read_checked(f, b, buf):
+    """Read block b of f into buf: (bytes read, their CRC)."""
+    n = _read_block(f, b, buf)
+    return n, _crc(buf[:n])
+
+
+def _crc_when_read(read, buf):
+    """_read_checked, for a block another thread is reading into buf (read: its future)."""
+    n = read.result()
+    return n, _crc(buf[:n])
 
 
 def fsync_dir(path):
@@ -854,12 +866,13 @@ class _VerifiedBlocks:
     def __init__(self, path, checksums):
         self.path, self.checksums, self.f = path, checksums, open(path, "rb", buffering=0)
         self.blocks, self.spare = {}, []  # block number -> memoryview of its checked bytes
-        # While reading forward, the next block is read in a thread (with a handle of its own) while this
-        # one is checked and copied (read() and zlib release the GIL): with a core to spare, the disk does
-        # not wait for the CRC.
+        # While reading forward, the next blocks are read in one thread (in order, with a file handle of its
+        # own) and CRC'd in another, while this one is copied (read() and zlib release the GIL): with cores
+        # to spare, neither the disk nor the copy waits for the CRC.
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read")
+        self.checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")
         self.f_ahead = open(path, "rb", buffering=0)
-        self.ahead = {}  # block number -> (its buffer, future of the bytes read)
+        self.ahead = {}  # block number -> (its buffer, future of (bytes read, their CRC))
 
     def block(self, b):
         view = self.blocks.pop(b, None)
@@ -871,14 +884,15 @@ class _VerifiedBlocks:
                 self.spare.append(self.blocks.pop(min(self.blocks)).obj)
             if b in self.ahead:
                 full, read = self.ahead.pop(b)
-                view = full[: read.result()]
+                n, crc = read.result()
             else:
                 full = self._buffer()
-                view = full[: _read_block(self.f, b, full)]
-            if forward:
-                self._read_ahead(b + 1)
-            if _crc(view) != self.checksums[b]:
+                n, crc = _read_checked(self.f, b, full)
+            for ahead in range(b + 1, b + 1 + self.AHEAD) if forward else ():
+                self._read_ahead(ahead)
+            if crc != self.checksums[b]:
                 raise CheckpointError(f"{self.path} does not match its checksum at block {b} (corrupted)")
+            view = full[:n]
         self.blocks[b] = view
         return view
 
@@ -891,7 +905,8 @@ class _VerifiedBlocks:
         if len(self.ahead) >= self.AHEAD:  # a guess that was not used: its buffer back
             self._drop(min(self.ahead))
         buf = self._buffer()
-        self.ahead[b] = (buf, self.reader.submit(_read_block, self.f_ahead, b, buf))
+        read = self.reader.submit(_read_block, self.f_ahead, b, buf)
+        self.ahead[b] = (buf, self.checker.submit(_crc_when_read, read, buf))
 
     def _drop(self, b):
         buf, read = self.ahead.pop(b)
@@ -924,6 +939,7 @@ class _VerifiedBlocks:
             for b in list(self.ahead):
                 self._drop(b)
             self.reader.shutdown()
+            self.checker.shutdown()
         finally:
             self.f.close()
             self.f_ahead.close()

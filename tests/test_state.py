@@ -273,3 +273,63 @@ def test_file_systems_that_cannot_map_files(tmp_path, monkeypatch):
     print(f"\nwithout mmap ({len(refused)} blocks read instead): {len(files)} files, checksums as by read(); "
           f"max |diff| after load = {diff:.3e}; damaged: {str(damaged.value)[:120]}")
     assert diff == 0 and len(refused) == 2  # the data block and .metadata; load() reads, it does not map
+
+
+def test_blocks_read_ahead_and_checked_in_order(tmp_path, monkeypatch):
+    """load() reads the blocks after the current one in a thread and CRCs them in another: with blocks
+    of one page (so that a small model spans ~100) and reads delayed at random, every value arrives
+    exactly, a flipped byte far into the file is refused at its block, and no thread outlives the load."""
+    import mmap
+    import random
+    import threading
+    import time
+
+    monkeypatch.setattr(ckpt, "BLOCK", mmap.ALLOCATIONGRANULARITY)  # part of the format: same for save and load
+    read_block, checked = ckpt._read_block, []
+
+    def slow_read(f, b, buf):
+        time.sleep(random.random() * 0.002)  # the CRC thread must wait for its block, whatever the order
+        return read_block(f, b, buf)
+
+    def crc_when_read(read, buf):
+        checked.append(1)
+        return crc(read, buf)
+
+    crc = ckpt._crc_when_read
+    monkeypatch.setattr(ckpt, "_read_block", slow_read)
+    monkeypatch.setattr(ckpt, "_crc_when_read", crc_when_read)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 8))
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build(0)
+    for _ in range(2):
+        model(torch.randn(4, 128)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    path = ckpt.save(str(tmp_path / "ckpt"), 2, model, opt)
+    fresh, fresh_opt = build(1)
+    assert ckpt.load(path, fresh, fresh_opt) == 2
+    diff = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+               for a, b in zip(model.parameters(), fresh.parameters()))
+    moments = max((opt.state[a][k].full_tensor() - fresh_opt.state[b][k].full_tensor()).abs().max().item()
+                  for a, b in zip(model.parameters(), fresh.parameters()) for k in ("exp_avg", "exp_avg_sq"))
+    data = next(n for n in ckpt.read_manifest(path)["files"] if n.endswith(".distcp"))
+    blocks = len(ckpt.read_manifest(path)["files"][data][ckpt.CHECKSUM])
+    ahead = len(checked)
+
+    at = os.path.getsize(os.path.join(path, data)) * 3 // 4
+    with open(os.path.join(path, data), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ckpt.CheckpointError, match=f"checksum at block {at // ckpt.BLOCK} ") as damaged:
+        ckpt.load(path, fresh, fresh_opt)
+    left = [t.name for t in threading.enumerate() if t.name.startswith(("ckpt-read", "ckpt-crc"))]
+    print(f"\n{blocks} blocks of {ckpt.BLOCK} B, {ahead} read ahead; max |diff| params {diff:.3e}, "
+          f"Adam moments {moments:.3e}; byte {at} flipped: {str(damaged.value)[:140]}; threads left: {left}")
+    assert diff == 0 and moments == 0 and blocks > 50 and ahead > blocks // 2 and not left
