@@ -86,6 +86,7 @@ Keys inside the DCP checkpoint (standard DCP, readable by torch's own tools):
 
 import concurrent.futures
 import contextlib
+import copy
 import datetime
 import hashlib
 import io
@@ -983,9 +984,20 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
     def __init__(self):
         super().__init__(flatten_state_dict=False)
+        self.decoded = {}  # small item's bytes -> its value
 
     def load_bytes(self, read_item, value):
-        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        # The flattened optimizer state repeats every param_group option once per parameter (lr, betas,
+        # eps, ...: a dozen small items per parameter, the same bytes for the same value): each distinct
+        # one is unpickled once (torch.load costs ~0.1 ms) and every key gets a copy of its own.
+        data = value.read()
+        if data in self.decoded:
+            loaded = copy.deepcopy(self.decoded[data])
+        else:
+            loaded = torch.load(io.BytesIO(data), weights_only=True)
+            if len(data) <= (1 << 16):  # a large value is not kept twice
+                self.decoded[data] = copy.deepcopy(loaded)
+        self.original_state_dict[read_item.dest_index.fqn] = loaded
 
 
 # ---------------------------------------------------------------------------

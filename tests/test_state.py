@@ -130,6 +130,31 @@ def test_state_kinds_round_trip_exactly(tmp_path):
     assert one_cycle_b.get_last_lr() == one_cycle.get_last_lr()
 
 
+def test_repeated_values_are_unpickled_once(tmp_path, monkeypatch):
+    """The flattened optimizer state repeats each param_group option per parameter: load() unpickles each
+    distinct value once, and every key still gets its value (a copy of its own)."""
+    model, opt = make()
+    train(model, opt, 2)
+    box = Box({"a": "same", "b": "same", "n": [2.5, 2.5, 2.5]})
+    path = ckpt.save(str(tmp_path), 2, model, opt, {"box": box})
+    metadata = ckpt.read_metadata(path)
+    values = [k for k, m in metadata.state_dict_metadata.items() if not hasattr(m, "size")]
+    real_load, calls = torch.load, []
+
+    def counting_load(*args, **kwargs):
+        calls.append(1)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    model2, opt2, box2 = *make(seed=1), Box({})
+    assert ckpt.load(path, model2, opt2, {"box": box2}) == 2
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    groups2 = [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups]
+    print(f"\n{len(values)} pickled values in the checkpoint, {len(calls)} torch.load calls in load()")
+    assert groups2 == groups and box2.state_dict() == box.state_dict()
+    assert len(values) >= 40 and len(calls) <= len(values) // 3
+
+
 def test_unsupported_value_is_refused_at_save(tmp_path):
     """A value load() could not restore safely is refused by save(), naming the key and type; nothing is written."""
     model, opt = make()
