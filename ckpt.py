@@ -1071,6 +1071,8 @@ def _leaf_keys(structure, key):
 class _RNG:
     """This rank's RNG streams as tensors (no pickled Python objects in the checkpoint)."""
 
+    GENERATORS = {"torch": (".torch",), "cuda": (".cuda",), "python": (".python_mt", ".python_meta")}  # their leaves
+
     def state_dict(self):
         version, mt, gauss = random.getstate()
         state = {
@@ -1088,6 +1090,16 @@ class _RNG:
         random.setstate((int(version), tuple(state["python_mt"].tolist()), None if gauss != gauss else gauss))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+
+    @staticmethod
+    def reseed(generators, seed):
+        """Seed these generators (names of GENERATORS) alone: the others keep what load_state_dict gave them."""
+        if "torch" in generators:
+            torch.default_generator.manual_seed(seed)
+        if "cuda" in generators and torch.cuda.is_available():
+            torch.cuda.manual_seed(seed)
+        if "python" in generators:
+            random.seed(seed)
 
 
 def _digest(flat):
@@ -1301,11 +1313,18 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     _check_all(err, group, "save()", args)
     model_sd, flat, extras, summary = collected
     # An extra that differs between ranks would be de-duplicated by DCP to one rank's copy: keep it per rank.
-    per_rank = ["rng"] if rng else []
-    if extra:
-        # The same keys, in the same order, on every rank (a digest that fails is a value that differs).
-        compared = {n: _capture(_digest, extras[n][1])[0] or f"rank {rank}" for n in sorted(extras) if n != "rng"}
-        per_rank = sorted(per_rank + _differ(compared, group, "save: compare extras"))
+    # The RNG is kept per rank; which of its generators are the same on every rank is recorded, so that a
+    # load at another world size can restore those (ranks that drew alike, e.g. tensor-parallel partners,
+    # still do) and reseed only the others (an unseeded Python `random` differs between processes).
+    rng_leaves = extras["rng"][1] if rng else {}
+    generators = [g for g, leaves in _RNG.GENERATORS.items() if leaves[0] in rng_leaves]  # cuda: if available
+    # The same keys, in the same order, on every rank (a digest that fails is a value that differs).
+    compared = {n: _capture(_digest, extras[n][1])[0] or f"rank {rank}" for n in sorted(extras) if n != "rng"}
+    compared.update({f"rng {g}": _digest({k: rng_leaves[k] for k in leaves if k in rng_leaves})  # same keys everywhere
+                     for g, leaves in _RNG.GENERATORS.items() if rng})
+    differ = _differ(compared, group, "save: compare extras") if compared else []
+    per_rank = sorted((["rng"] if rng else []) + [n for n in differ if not n.startswith("rng ")])
+    rng_shared = {g: f"rng {g}" not in differ for g in generators}
     for name, (structure, leaves) in extras.items():
         prefix = _extra_prefix(name, rank if name in per_rank else None)
         flat.update({prefix + k: v for k, v in leaves.items()})
@@ -1336,6 +1355,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         "extra": {n: s for n, (s, _) in extras.items() if n not in per_rank},
         "per_rank": per_rank,  # their structures, one per rank, are gathered at the commit
         "rng_seed": torch.initial_seed(),
+        "rng_shared": rng_shared,  # {generator: its state was the same on every rank}
         "meta": meta or {},
     }
     mine = {n: s for n, (s, _) in extras.items() if n in per_rank}
@@ -1584,10 +1604,14 @@ def _targets(model, optimizer, extra, rng, manifest, metadata, ckpt_dir):
     for name, obj in objects.items():
         if name == "rng" and "rng" not in manifest["per_rank"]:
             continue  # saved with rng=False
-        if name in manifest["per_rank"]:
+        if name == "rng" and "rng" in manifest["per_rank"] and manifest["world_size"] != world:
+            if not any(manifest.get("rng_shared", {}).values()):
+                continue  # reseeded in load()
+            # Rank 0's state: the generators that were the same on every rank are every rank's; load()
+            # reseeds the others.
+            shape, prefix = manifest["per_rank"]["rng"][0], _extra_prefix("rng", 0)
+        elif name in manifest["per_rank"]:
             if manifest["world_size"] != world:
-                if name == "rng":
-                    continue  # reseeded below
                 raise CheckpointError(
                     f"extra {name!r} differed between ranks when {ckpt_dir} was saved at world size "
                     f"{manifest['world_size']}; there is no right way to give it to {world} ranks. Resume at "
@@ -1682,13 +1706,19 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         raise (refuse(e) if "checksum" in str(e) else CheckpointError(f"reading {ckpt_dir} failed: {e}")) from e
     _, err = _capture(_restore, model, optimizer, extra, manifest, structure, {**template, **request}, plan)
     if rng and "rng" in manifest["per_rank"] and manifest["world_size"] != world:
-        # RNG streams belong to ranks; with another world size there is no right mapping.
+        # A generator whose state differed between ranks: N streams have no right mapping onto M ranks.
+        same = manifest.get("rng_shared", dict.fromkeys(_RNG.GENERATORS, False))  # format 2 did not record it
+        shared, reseeded = [g for g, v in same.items() if v], [g for g, v in same.items() if not v]
         seed = int(hashlib.sha256(f"{manifest['rng_seed']}-{manifest['step']}-{rank}".encode()).hexdigest()[:15], 16)
-        torch.manual_seed(seed)
-        random.seed(seed)
+        _RNG.reseed(reseeded, seed)
         if rank == 0:
-            log.warning("world size changed %d -> %d: RNG reseeded from (seed, step, rank), not restored",
-                        manifest["world_size"], world)
+            alike = {"torch", "cuda"} & set(reseeded)  # what dropout draws from
+            (log.warning if alike else log.info)(
+                "world size changed %d -> %d: RNG restored on every rank: %s (the same on every rank when saved); "
+                "reseeded from (seed, step, rank): %s (it differed between ranks)%s", manifest["world_size"], world,
+                ", ".join(shared) or "none", ", ".join(reseeded) or "none",
+                ". Ranks that must draw alike, such as tensor-parallel partners, need the same seed: reseed "
+                "them after load()" if alike else "")
 
     # 6. Verify what was restored: the fingerprint's sums and any rank's failure in one all-reduce;
     # every rank then compares the same sums with the manifest, so all decide alike.
@@ -1720,12 +1750,14 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
 def _share(manifest, rank, world):
     """The part of the manifest rank needs: the files it stats (a share of all), the checksums of
     .metadata, of its own files and of rank 0's (which hold the values stored once), its own per-rank
-    structures. A reader that needs another file's checksums (a load at another world size) reads
+    structures (and rank 0's RNG's). A reader that needs another file's checksums (a load at another world size) reads
     them from manifest.json (SafeReader)."""
     names = sorted(manifest["files"])
     needed = set(names[rank::world]) | {n for n in names if n == ".metadata" or n.startswith((f"__{rank}_", "__0_"))}
+    mine = {n: {r: s[r] for r in ({rank, 0} if n == "rng" else {rank}) if r < len(s)}  # rank 0's RNG: see _targets
+            for n, s in manifest["per_rank"].items()}
     return dict(manifest, stat=names[rank::world], files={n: manifest["files"][n] for n in sorted(needed)},
-                per_rank={n: {rank: s[rank]} if rank < len(s) else {} for n, s in manifest["per_rank"].items()})
+                per_rank=mine)
 
 
 def _restore(model, optimizer, extra, manifest, structure, values, plan):

@@ -322,6 +322,9 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
     if not quiet:
         print(f"consolidate: wrote {out} ({len(files)} file(s), {total / 1e6:.1f} MB) in {seconds:.2f} s "
               f"(check and plan {planned:.2f} s, stream {seconds - planned:.2f} s)", file=sys.stderr)
+        if not config:
+            print("consolidate: no config.json: the checkpoint was saved without meta={'model_config': {...}} "
+                  "(a Hugging Face config dict); the weights alone were written", file=sys.stderr)
     return {"checkpoint": ckpt_dir, "files": names, "tensors": progress.tensors, "bytes": total, "seconds": seconds}
 
 

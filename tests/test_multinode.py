@@ -28,8 +28,8 @@ from tests.harness import REPO, SMALL, read_log, torchrun
 
 SCRIPT = os.path.join(REPO, "run_multinode.sh")
 STEPS = 12
-# --batch-size 12 splits over 2 and over 3 ranks; --dropout 0 because the RNG is reseeded, not
-# restored, when the world size changes. Short collective timeouts: a lost node fails in a minute.
+# --batch-size 12 splits over 2 and over 3 ranks; --dropout 0 because each rank draws dropout for its
+# share of the batch, which the world size changes. Short collective timeouts: a lost node fails in a minute.
 COMMON = SMALL + ["--batch-size", "12", "--steps", str(STEPS), "--save-every", "4", "--dropout", "0",
                   "--seed", "5", "--timeout", "60", "--ckpt-timeout", "60"]
 TIMEOUT = 150  # seconds for one launch of all nodes, start-up included

@@ -40,8 +40,8 @@ RTOL = 1e-4
 
 
 class Run:
-    def __init__(self, d):
-        self.dir, self.root, self.log = d, d / "ckpt", read_log(d / "log.jsonl")
+    def __init__(self, d, out=""):
+        self.dir, self.root, self.log, self.out = d, d / "ckpt", read_log(d / "log.jsonl"), out
 
     def dump(self, kind, step):
         return torch.load(self.dir / f"{kind}-step{step}.pt", weights_only=False)  # our own files
@@ -57,8 +57,8 @@ def launch(d, nproc, flags=(), resume=None):
         name = f"step-{step:08d}"  # only that checkpoint, so it is the newest in the new root
         shutil.copytree(src.root / name, d / "ckpt" / name)
         args.append("--resume")
-    torchrun(args, nproc=nproc, script=USER_LOOP, timeout=300)
-    return Run(d)
+    _, out = torchrun(args, nproc=nproc, script=USER_LOOP, timeout=300)
+    return Run(d, out)
 
 
 def flat(tree, prefix=""):
@@ -253,9 +253,14 @@ def test_tp_same_layout_bit_exact(tp):
 
 
 def test_tp_to_fsdp(tp):
-    """TP 2x2 resumed as 1-D FSDP on 2 ranks: the tensor-parallel shards must reassemble into full rows."""
+    """TP 2x2 resumed as 1-D FSDP on 2 ranks: the tensor-parallel shards must reassemble into full rows.
+    user_loop.py seeds dropout per data-parallel rank, so the ranks' RNG states differ: at another world
+    size load() reseeds them and warns that ranks which must draw alike need reseeding by the user."""
     ref, _, to_fsdp = tp
-    print(f"\nTP 2x2 -> FSDP 2 at step 4: {check_state(ref, to_fsdp, 4)}; {check_losses(ref, to_fsdp, 5, exact=False)}")
+    warning = [line.strip() for line in to_fsdp.out.splitlines() if "reseeded from (seed, step, rank): " in line]
+    print(f"\nTP 2x2 -> FSDP 2 at step 4: {check_state(ref, to_fsdp, 4)}; {check_losses(ref, to_fsdp, 5, exact=False)}"
+          f"; {warning[:1]}")
+    assert warning and "torch" in warning[0].split("reseeded")[1] and "tensor-parallel" in warning[0], to_fsdp.out[-3000:]
 
 
 # ------------------------------------------------------------------ test_resume.py pointed at this script
