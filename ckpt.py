@@ -1713,7 +1713,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         _RNG.reseed(reseeded, seed)
         if rank == 0:
             alike = {"torch", "cuda"} & set(reseeded)  # what dropout draws from
-            (log.warning if alike else log.info)(
+            log.log(logging.WARNING if alike else logging.INFO,
                 "world size changed %d -> %d: RNG restored on every rank: %s (the same on every rank when saved); "
                 "reseeded from (seed, step, rank): %s (it differed between ranks)%s", manifest["world_size"], world,
                 ", ".join(shared) or "none", ", ".join(reseeded) or "none",
@@ -1750,8 +1750,8 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
 def _share(manifest, rank, world):
     """The part of the manifest rank needs: the files it stats (a share of all), the checksums of
     .metadata, of its own files and of rank 0's (which hold the values stored once), its own per-rank
-    structures (and rank 0's RNG's). A reader that needs another file's checksums (a load at another world size) reads
-    them from manifest.json (SafeReader)."""
+    structures and rank 0's RNG structure. A reader that needs another file's checksums (a load at
+    another world size) reads them from manifest.json (SafeReader)."""
     names = sorted(manifest["files"])
     needed = set(names[rank::world]) | {n for n in names if n == ".metadata" or n.startswith((f"__{rank}_", "__0_"))}
     mine = {n: {r: s[r] for r in ({rank, 0} if n == "rng" else {rank}) if r < len(s)}  # rank 0's RNG: see _targets

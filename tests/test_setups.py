@@ -260,7 +260,8 @@ def test_tp_to_fsdp(tp):
     warning = [line.strip() for line in to_fsdp.out.splitlines() if "reseeded from (seed, step, rank): " in line]
     print(f"\nTP 2x2 -> FSDP 2 at step 4: {check_state(ref, to_fsdp, 4)}; {check_losses(ref, to_fsdp, 5, exact=False)}"
           f"; {warning[:1]}")
-    assert warning and "torch" in warning[0].split("reseeded")[1] and "tensor-parallel" in warning[0], to_fsdp.out[-3000:]
+    reseeded = warning[0].split("reseeded")[1] if warning else ""
+    assert "torch" in reseeded and "tensor-parallel" in reseeded, to_fsdp.out[-3000:]
 
 
 # ------------------------------------------------------------------ test_resume.py pointed at this script
