@@ -578,14 +578,8 @@ def _read_block(f, b, buf):
     return n
 
 
-def _read_checked(f, b, buf):
-    """Read block b of f into buf: (bytes read, their CRC)."""
-    n = _read_block(f, b, buf)
-    return n, _crc(buf[:n])
-
-
 def _crc_when_read(read, buf):
-    """_read_checked, for a block another thread is reading into buf (read: its future)."""
+    """(bytes read, their CRC) of a block another thread is reading into buf (read: its future)."""
     n = read.result()
     return n, _crc(buf[:n])
 
@@ -888,7 +882,8 @@ class _VerifiedBlocks:
                 n, crc = read.result()
             else:
                 full = self._buffer()
-                n, crc = _read_checked(self.f, b, full)
+                n = _read_block(self.f, b, full)
+                crc = _crc(full[:n])
             for ahead in range(b + 1, b + 1 + self.AHEAD) if forward else ():
                 self._read_ahead(ahead)
             if crc != self.checksums[b]:
@@ -1317,14 +1312,14 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     # load at another world size can restore those (ranks that drew alike, e.g. tensor-parallel partners,
     # still do) and reseed only the others (an unseeded Python `random` differs between processes).
     rng_leaves = extras["rng"][1] if rng else {}
-    generators = [g for g, leaves in _RNG.GENERATORS.items() if leaves[0] in rng_leaves]  # cuda: if available
     # The same keys, in the same order, on every rank (a digest that fails is a value that differs).
     compared = {n: _capture(_digest, extras[n][1])[0] or f"rank {rank}" for n in sorted(extras) if n != "rng"}
     compared.update({f"rng {g}": _digest({k: rng_leaves[k] for k in leaves if k in rng_leaves})  # same keys everywhere
                      for g, leaves in _RNG.GENERATORS.items() if rng})
     differ = _differ(compared, group, "save: compare extras") if compared else []
     per_rank = sorted((["rng"] if rng else []) + [n for n in differ if not n.startswith("rng ")])
-    rng_shared = {g: f"rng {g}" not in differ for g in generators}
+    rng_shared = {g: f"rng {g}" not in differ for g, leaves in _RNG.GENERATORS.items()
+                  if leaves[0] in rng_leaves}  # cuda: if available
     for name, (structure, leaves) in extras.items():
         prefix = _extra_prefix(name, rank if name in per_rank else None)
         flat.update({prefix + k: v for k, v in leaves.items()})
@@ -1604,7 +1599,7 @@ def _targets(model, optimizer, extra, rng, manifest, metadata, ckpt_dir):
     for name, obj in objects.items():
         if name == "rng" and "rng" not in manifest["per_rank"]:
             continue  # saved with rng=False
-        if name == "rng" and "rng" in manifest["per_rank"] and manifest["world_size"] != world:
+        if name == "rng" and manifest["world_size"] != world:
             if not any(manifest.get("rng_shared", {}).values()):
                 continue  # reseeded in load()
             # Rank 0's state: the generators that were the same on every rank are every rank's; load()
@@ -1750,11 +1745,12 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
 def _share(manifest, rank, world):
     """The part of the manifest rank needs: the files it stats (a share of all), the checksums of
     .metadata, of its own files and of rank 0's (which hold the values stored once), its own per-rank
-    structures and rank 0's RNG structure. A reader that needs another file's checksums (a load at
-    another world size) reads them from manifest.json (SafeReader)."""
+    structures (and rank 0's RNG structure at another world size). A reader that needs another file's
+    checksums (a load at another world size) reads them from manifest.json (SafeReader)."""
     names = sorted(manifest["files"])
     needed = set(names[rank::world]) | {n for n in names if n == ".metadata" or n.startswith((f"__{rank}_", "__0_"))}
-    mine = {n: {r: s[r] for r in ({rank, 0} if n == "rng" else {rank}) if r < len(s)}  # rank 0's RNG: see _targets
+    other = manifest["world_size"] != world  # then rank 0's RNG structure too: see _targets
+    mine = {n: {r: s[r] for r in ({rank, 0} if n == "rng" and other else {rank}) if r < len(s)}
             for n, s in manifest["per_rank"].items()}
     return dict(manifest, stat=names[rank::world], files={n: manifest["files"][n] for n in sorted(needed)},
                 per_rank=mine)
