@@ -7,31 +7,28 @@
     ckpt.close()                                         # before dist.destroy_process_group()
 
 Every function is collective: call it on every rank with the same arguments. Each rank writes and reads its own
-shards; nothing is gathered. A failure on any rank is raised on every rank as CheckpointError, naming the rank,
-the file or the key.
+shards. A failure on any rank is raised on every rank as CheckpointError, naming the rank, file or key.
 
-Save (the steps are numbered in the code too):
-  1. Collect model and optimizer state keyed by parameter name (get_state_dict), and each extra's state_dict():
-     its DTensors under keys of their own, the rest as one value. Refuse what load() could not restore.
-  2. Agree: no rank failed, every rank got the same arguments, and every value DCP stores once (all but
-     DTensors) is equal on every rank. An extra whose values differ between ranks is stored per rank.
-  3. Prepare: rank 0 claims the root (one live run per root) and creates .tmp-step-N-<id>; every rank must see it.
-  4. Write: dcp.save() writes and fsyncs each rank's shards; each rank then CRCs its share of the files. With
-     async_save, the state is first copied to host memory and this step runs in a thread.
-  5. Commit (in PendingSave.wait): rank 0 writes manifest.json with every file's size and CRC, moves aside the
-     steps after the one this run continues from, and renames the directory to step-N.
-  6. Retain: rank 0 removes the oldest steps beyond `keep`.
-
+Save (the code carries the same numbers):
+  1. Collect model and optimizer state by parameter name (get_state_dict), and each extra's state_dict(): its
+     DTensors under keys of their own, the rest as one value. Refuse what load() could not restore.
+  2. Agree: no rank failed, all got the same arguments and hold the same values where DCP stores one copy (all
+     but DTensors). An extra whose state differs between ranks is stored per rank.
+  3. Prepare: rank 0 claims the root (one live run per root) and makes .tmp-step-N-<id>; every rank must see it.
+  4. Write: dcp.save() writes and fsyncs each rank's files; each rank CRCs its share of them. With async_save,
+     the state is first copied to host memory and this step runs in a thread.
+  5. Commit (in PendingSave.wait): rank 0 writes manifest.json (each file's size and CRC), moves aside the steps
+     after the one this run continues from, and renames the directory to step-N.
+  6. Retain: rank 0 removes all but the newest `keep` steps.
 Load:
   1. Agree on the arguments.
   2. Choose: rank 0 picks the highest step-N under the root (or the directory given) and sends its manifest.
   3. Verify: each rank checks the size and CRC of its share of the files, before anything is read.
   4. Match DCP's .metadata, unpickled without running code, to the model and optimizer: keys, shapes, dtypes.
-  5. Read: dcp.load() into the live shards (resharding if the layout changed); set_state_dict() hands the
-     optimizer state to the parameters by name; each extra's load_state_dict() gets what it saved.
-  6. Verify each parameter's optimizer state: the keys and the step it was saved with.
+  5. Read: dcp.load() into the live shards, resharding if the layout changed; set_state_dict() hands optimizer
+     state to the parameters by name; each extra's load_state_dict() gets what it saved.
+  6. Verify each parameter's optimizer state: its keys and the step it was saved with.
 
-On disk:
     root/
       .owner.json                      the run that writes here (host, pid, job), refreshed while it lives
       step-00000100/                   a commit: appears by one rename, once every rank's files are on disk
@@ -40,8 +37,8 @@ On disk:
         __0_0.distcp  __1_0.distcp     DCP: each rank's shards, and the values stored once
       .tmp-step-00000200-1a2b3c4d/     a save in progress, or interrupted: never loaded
       .abandoned-step-00000150-9f8e/   a step given up by a rollback: kept, loaded only if named
-Keys: model.<fqn>, optim.state.<fqn>.<name>, optim.param_groups.<fqn>.<option>; extra.<name> (an extra's state,
-its DTensors taken out), or rank.<r>.extra.<name> where it differs between ranks; extra.<name>.<path> (a DTensor).
+Keys: model.<fqn>, optim.state.<fqn>.<name>, optim.param_groups.<fqn>.<option>; extra.<name>, an extra's state but
+its DTensors (rank.<r>.extra.<name> where it differs between ranks); extra.<name>.<path>, a DTensor of an extra.
 The random generators are the extras rng.torch, rng.cuda and rng.python.
 """
 
@@ -59,8 +56,8 @@ import re
 import shutil
 import socket
 import threading
-import types
 import time
+import types
 import uuid
 import zlib
 
@@ -75,23 +72,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("ckpt")
-
 FORMAT = 3  # of manifest.json and of the keys
-DEFAULT_TIMEOUT = datetime.timedelta(hours=1)  # for checkpoint collectives; training keeps its own, shorter one
+DEFAULT_TIMEOUT = datetime.timedelta(hours=1)  # of checkpoint collectives; training keeps its own, shorter one
 STALE_AFTER = 120.0  # seconds without a refresh after which another run's claim on a root is taken over
 MANIFEST, OWNER, TMP, ABANDONED = "manifest.json", ".owner.json", ".tmp-", ".abandoned-"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
-# Optimizer state as "state.<fqn>.<name>" keys: matched by parameter name, never by position, and reshardable.
-SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# DCP raises any rank's failure as dcp.CheckpointException, a BaseException: caught beside Exception.
-FAILURES = (Exception, dcp.CheckpointException)
-# What torch.load(weights_only=True) restores, in dicts, lists and tuples: no code from a checkpoint runs.
+SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer state keyed by name: "state.<fqn>.*"
+FAILURES = (Exception, dcp.CheckpointException)  # DCP raises any rank's failure as a BaseException
+# What torch.load(weights_only=True) restores, inside dicts, lists and tuples: no code from a checkpoint runs.
 PLAIN = (torch.Tensor, type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
-
 
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
@@ -100,23 +92,21 @@ _base = {}  # root -> the step this run continues from there (loaded or last com
 _in_flight = []  # the async save being written, at most one
 _stagers = []  # the async saves' host buffers, kept until close()
 
-
 def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
          timeout=DEFAULT_TIMEOUT):
     """Write a checkpoint of `step` under root; return its path once committed (async_save: a PendingSave).
 
     optimizer: one, a list, or None (the model alone). extra: {name: object with state_dict() and
     load_state_dict()}. keep: how many steps to keep (None: all). meta: JSON stored in the manifest.
-    Saving again the step this run loaded or last committed does nothing (logged); an older step is refused.
+    Saving the step this run loaded or last committed does nothing (logged); an older step is refused.
     """
     wait_pending()  # one save in flight at a time: two would race for the root
     group, rank, world = checkpoint_group(timeout), dist.get_rank(), dist.get_world_size()
     root, optimizers = os.path.abspath(root), _as_list(optimizer)
-
     # 1. Collect (user code runs here: the extras' state_dict()).
     collected = _attempt(_collect, model, optimizers, extra, rng)
     state = collected.value
-    # 2. Agree. DCP stores one copy of a value that is not a DTensor, so it must be the same on every rank.
+    # 2. Agree. DCP stores one copy of a value that is not a DTensor: every rank must hold the same.
     once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
             "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
@@ -125,13 +115,14 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     # An extra whose state differs between ranks is stored per rank: DCP would keep one rank's copy.
-    digests = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()} if world > 1 else {}
-    per_rank = _rank0(group, "save: compare the extras between ranks", _differing, digests)
+    digests, every = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()}, [None] * world
+    _collective("save: compare the extras", dist.all_gather_object, every, digests, group=group)
+    per_rank = {name for name in digests if any(d[name] != digests[name] for d in every)}
     base = _base.get(root)
-    if base is not None and step <= base:
-        if step < base:
-            raise CheckpointError(f"save(): step {step} is before step {base}, which this run loaded or committed "
-                                  f"in {root}: to go back, load that step first (a rollback)")
+    if base is not None and step < base:
+        raise CheckpointError(f"save(): step {step} is before step {base}, which this run loaded or committed in "
+                              f"{root}: to go back, load that step first (a rollback)")
+    if step == base:
         log.info("step %d is what this run loaded or last committed in %s: nothing to save", step, root)
         return PendingSave(path=step_dir(root, step)) if async_save else step_dir(root, step)
     for name, skeleton in state.skeletons.items():
@@ -144,8 +135,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     _check_all(unseen, group, "save: shared storage check")
     extras = {name: {"per_rank": name in per_rank, "like": like} for name, like in state.like.items()}
     manifest = {"format": FORMAT, "step": step, "world_size": world, "torch_version": torch.__version__,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(), "meta": meta or {},
-                "optimizer": state.optimizer if optimizers else None, "extra": extras}
+                "meta": meta or {}, "extra": extras, "optimizer": state.optimizer if optimizers else None}
     pending = PendingSave(Commit(root, step, tmp, manifest, group, keep, base))
 
     # 4. Write; 5-6 in wait(). A synchronous save takes the same path as an async one.
@@ -153,8 +143,12 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         pending.job = concurrent.futures.Future()
         pending.job.set_result(_attempt(_write, state.flat, tmp, group))
         return pending.wait()
+    if not _stagers:  # kept until close(): from the second async save on, it copies into memory already allocated
+        _stagers.append(DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                     use_shared_memory=False, use_async_staging=False,
+                                                     use_non_blocking_copy=False)))
     # Copied before anything collective starts: a rank that cannot (out of host memory) fails every rank here.
-    staged = _attempt(_stager().stage, state.flat)
+    staged = _attempt(_stagers[0].stage, state.flat)
     _check_all(staged.error, group, "save: copy the state to host memory")
     # From here training may change the parameters: the thread writes the copy.
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
@@ -162,7 +156,6 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     pool.shutdown(wait=False)  # the thread ends with the job
     _in_flight.append(pending)
     return pending
-
 
 def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, timeout=DEFAULT_TIMEOUT):
     """Restore the highest step under path, or the checkpoint at path; return its step (None if there is none).
@@ -192,7 +185,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     # 4. Match the checkpoint to the model, the optimizers and the extras.
     plan = _attempt(_plan, ckpt_dir, manifest, metadata.value.state_dict_metadata, model, optimizers, extra, rng)
     _check_all(plan.error, group, f"load: match {ckpt_dir} to the model")
-    # 5. Read into the live shards and the extras' empty DTensors, then hand everything over.
+    # 5. Read into the live shards and the extras' empty tensors, then hand everything over.
     try:
         reader = SafeReader(ckpt_dir, metadata.value)
         dcp.load(plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
@@ -207,7 +200,6 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]
 
-
 def check_root(root, timeout=DEFAULT_TIMEOUT, stale_after=STALE_AFTER):
     """Claim root for this run, and fail now, on every rank, if it cannot hold checkpoints: otherwise a wrong
     root, or one another live run writes to, surfaces at the first save, and the training until then is lost."""
@@ -215,7 +207,6 @@ def check_root(root, timeout=DEFAULT_TIMEOUT, stale_after=STALE_AFTER):
     group, root = checkpoint_group(timeout), os.path.abspath(root)
     _check_all(None, group, "check_root()", {"root": root})
     _rank0(group, f"check of the checkpoint root {root}", lambda _: _claim(root, stale_after))
-
 
 def close():
     """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): commit a save in flight,
@@ -235,14 +226,11 @@ def close():
             stager.close()
         _claims.clear(), _groups.clear(), _stagers.clear()
 
-
 # What wait() needs to commit a save; base: the step this run continues from (see _move_aside).
 Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base")
 
-
 class PendingSave:
     """A save being written. done(): this rank's write is over (no collective). wait(): commit, on every rank."""
-
     def __init__(self, commit=None, path=None):
         self.commit, self.path, self.job = commit, path, None  # job: a Future of this rank's Outcome of _write()
 
@@ -261,7 +249,6 @@ class PendingSave:
             log.info("checkpoint %s committed", self.path)
         return self.path
 
-
 def wait_pending():
     """Commit the save in flight, if any (on every rank)."""
     while _in_flight:
@@ -273,7 +260,6 @@ def wait_pending():
 # flat: {DCP key: value}; skeletons: {extra: its state without its DTensors}; like: {extra: {path of a DTensor:
 # the parameter it is laid out like}}; optimizer: see _optimizer_summary().
 Collected = collections.namedtuple("Collected", "flat skeletons like optimizer")
-
 
 def _collect(model, optimizers, extra, rng):
     """Step 1: this rank's state."""
@@ -288,22 +274,39 @@ def _collect(model, optimizers, extra, rng):
     for name, obj in _extras(extra, rng).items():
         like[name] = {}
 
-        def leaf(path, value, name=name):
+        def leaf(path, value):
             if not isinstance(value, DTensor):
-                return _restorable(path, value)
+                return _restorable(f"extra {name!r}: {path}", value)
             if _layout(value) not in layouts:
-                raise CheckpointError(f"{path} is a DTensor laid out like no parameter ({value.placements}, shape "
-                                      f"{tuple(value.shape)}): load() could not lay it out again")
-            flat[f"extra.{name}{path}"] = value  # a key of its own: DCP saves each rank's shard
+                raise CheckpointError(f"extra {name!r}: {path} is a DTensor laid out like no parameter of the model "
+                                      f"({value.placements}, shape {tuple(value.shape)}): load() could not place it")
+            flat[f"extra.{name}{path}"] = value  # under a key of its own, so that DCP saves each rank's shard
             like[name][path] = layouts[_layout(value)]
             return None  # its place in the skeleton
 
-        try:
-            skeletons[name] = _walk(obj.state_dict(), leaf)
-        except CheckpointError as e:
-            raise CheckpointError(f"extra {name!r}: {e}") from None
+        skeletons[name] = _walk(obj.state_dict(), leaf)
     return Collected(flat, skeletons, like, _optimizer_summary(optimizers, _param_names(model, model_sd)))
 
+def _walk(value, leaf, path=""):
+    """value rebuilt with leaf(path, x) in place of each leaf x; dicts, lists and tuples are walked."""
+    if isinstance(value, dict):
+        for key in value:
+            _restorable(f"{path}: the key {key!r}", key)
+        return {k: _walk(v, leaf, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        items = [_walk(v, leaf, f"{path}.{i}") for i, v in enumerate(value)]
+        return tuple(items) if isinstance(value, tuple) else items
+    return leaf(path, value)
+
+def _restorable(path, value):
+    if not isinstance(value, PLAIN):
+        raise CheckpointError(f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which load() cannot "
+                              "restore without running code from the checkpoint: convert it in state_dict() (to "
+                              "tensors, numbers, str, bytes, None, dicts, lists, tuples), and back in load_state_dict()")
+    return value
+
+def _layout(t):
+    return t.device_mesh, tuple(t.placements), tuple(t.shape)
 
 def _check_optimizer_state(model, optimizers):
     """torch flattens optimizer state made of tensors, numbers and dicts only: refuse anything else by name."""
@@ -312,18 +315,15 @@ def _check_optimizer_state(model, optimizers):
         for param, state in opt.state.items():
             for key, value in state.items():
                 if not isinstance(value, (torch.Tensor, int, float, dict)):
-                    raise CheckpointError(
-                        f"optimizer {i} ({type(opt).__name__}): state {key!r} of parameter {names.get(param)} is a "
-                        f"{type(value).__name__}, and only tensors, numbers and dicts are saved by parameter name: "
-                        "drop or convert it before save() (a momentum_buffer of None, say), or use another optimizer")
-
+                    raise CheckpointError(f"optimizer {i} ({type(opt).__name__}): state {key!r} of parameter "
+                                          f"{names.get(param)} is a {type(value).__name__}; only tensors, numbers "
+                                          "and dicts are saved by parameter name: drop or convert it before save()")
 
 def _state_dicts(model, optimizers):
     """Model and optimizer state keyed by parameter name; on load, a fresh optimizer gets placeholder state."""
     if optimizers:
         return get_state_dict(model, optimizers, options=SD_OPTIONS)
     return get_model_state_dict(model, options=SD_OPTIONS), {}
-
 
 def _extras(extra, rng):
     """The objects whose state is saved: the caller's extras and, with rng, the random generators."""
@@ -333,44 +333,16 @@ def _extras(extra, rng):
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):  # restored in place
             raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, which has no state_dict() and "
                                   "load_state_dict(): wrap it in an object that has both")
+    if not rng:
+        return dict(extra or {})
     generators = {"rng.torch": _generator(torch.get_rng_state, torch.set_rng_state),
                   "rng.python": _generator(random.getstate, random.setstate)}
     if torch.cuda.is_available():
         generators["rng.cuda"] = _generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
-    return {**(extra or {}), **generators} if rng else dict(extra or {})
-
+    return {**(extra or {}), **generators}
 
 def _generator(get_state, set_state):
-    """A random generator as an extra."""
     return types.SimpleNamespace(state_dict=get_state, load_state_dict=set_state)
-
-
-def _walk(value, leaf, path=""):
-    """value rebuilt with leaf(path, x) in place of each leaf x; dicts, lists and tuples are walked."""
-    if isinstance(value, dict):
-        for key in value:
-            if not isinstance(key, (str, int, float, bool, type(None))):
-                raise CheckpointError(f"{path}: a key of type {type(key).__name__} ({key!r}); use str or int keys")
-        return {k: _walk(v, leaf, f"{path}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        items = [_walk(v, leaf, f"{path}.{i}") for i, v in enumerate(value)]
-        return tuple(items) if isinstance(value, tuple) else items
-    return leaf(path, value)
-
-
-def _restorable(path, value):
-    if not isinstance(value, PLAIN):
-        raise CheckpointError(
-            f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which load() cannot restore without "
-            "running code from the checkpoint. A checkpoint holds tensors, None/bool/int/float/str/bytes and dicts, "
-            "lists and tuples of them: convert it in state_dict() (a numpy array to a tensor, say), and back in "
-            "load_state_dict()")
-    return value
-
-
-def _layout(t):
-    return t.device_mesh, tuple(t.placements), tuple(t.shape)
-
 
 def _prepare(root, step):
     """Step 3, rank 0: claim the root, and a fresh directory to write the step into."""
@@ -381,26 +353,14 @@ def _prepare(root, step):
     os.makedirs(tmp)  # not fsynced: lost in a crash, it held nothing committed; the commit's fsyncs cover it
     return tmp
 
-
 def _write(state, tmp, group):
     """Step 4: DCP writes this rank's files. When it returns, every rank's files and .metadata are written, and
     this rank CRCs its share of them, from the page cache, rather than inside DCP's stream."""
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False)  # our keys are flat already: load() asks for them
     dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
-    sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in _share(os.listdir(tmp))}
-    return {name: {"bytes": size, "crc32": _crc32(os.path.join(tmp, name))} for name, size in sizes.items()}
-
-
-def _stager():
-    """The async saves' stager, kept until close(): it reuses its host buffers (pinned on CUDA), so from the second
-    async save on, the copy that blocks training goes into memory already allocated."""
-    if not _stagers:
-        options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                 use_async_staging=False, use_non_blocking_copy=False)
-        _stagers.append(DefaultStager(options))
-    return _stagers[0]
-
+    paths = {name: os.path.join(tmp, name) for name in _share(os.listdir(tmp))}
+    return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
 
 def _commit(c, parts):
     """Steps 5-6, rank 0: the manifest, the rename that makes the checkpoint visible, then retention."""
@@ -411,9 +371,8 @@ def _commit(c, parts):
     files = {name: record for checksums, _ in parts for name, record in checksums.items()}
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
-    manifest = dict(c.manifest, files=files)
     with open(os.path.join(c.tmp, MANIFEST), "w") as f:
-        json.dump(dict(manifest, manifest_sha256=_manifest_digest(manifest)), f, indent=1, sort_keys=True)
+        json.dump(dict(c.manifest, files=files), f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename points at it
     fsync_dir(c.tmp)  # and the directory's entries
@@ -428,7 +387,6 @@ def _commit(c, parts):
         except OSError as e:
             log.warning("retention: could not remove %s: %s", step_dir(c.root, step), e)
     return step_dir(c.root, c.step)
-
 
 def _move_aside(root, base):
     """Steps after the one this run continues from (all, for a run that loaded none here) belong to a branch given
@@ -449,10 +407,8 @@ def _move_aside(root, base):
 # ---- load, step by step ----
 
 # request: what dcp.load() reads into; live: the model's and optimizers' state; names: {parameter: its names};
-# without: parameters saved without optimizer state; extras: {name: (object, key of its skeleton, its DTensors'
-# paths)}.
+# without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key, DTensor paths)}.
 Plan = collections.namedtuple("Plan", "request live names without extras")
-
 
 def _choose(path):
     """Step 2, rank 0: (the checkpoint directory, its manifest), or (None, None)."""
@@ -462,23 +418,20 @@ def _choose(path):
     except CheckpointError as e:
         raise _refusal(found, e) from e
 
-
 def _refusal(ckpt_dir, error):
     """The error for a checkpoint that is damaged or gone, naming what there is to load instead."""
     root, name = os.path.split(ckpt_dir)
     steps = _steps(root)
     if not os.path.isdir(ckpt_dir):
-        newest = step_dir(root, steps[-1]) if steps else "none"
-        return CheckpointError(f"{error}. {ckpt_dir} does not exist (now, or any more: removed by the retention of "
-                               f"the run that writes to {root}?); the newest commit there is {newest}")
-    older = [step_dir(root, s) for s in steps if STEP_RE.match(name) and s < int(STEP_RE.match(name).group(1))]
-    hint = f" The newest older commit is {older[-1]}: pass it to load it." if older else ""
+        return CheckpointError(f"{error}. {ckpt_dir} does not exist (now: removed by the retention of a run writing "
+                               f"{root}?); the newest commit there is {step_dir(root, steps[-1]) if steps else None}")
+    older = [s for s in steps if STEP_RE.match(name) and s < int(STEP_RE.match(name).group(1))]
+    hint = f" The newest older commit is {step_dir(root, older[-1])}: pass it to load it." if older else ""
     return CheckpointError(f"refusing to load a damaged checkpoint: {error}.{hint}")
 
-
 def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
-    """Step 4: what dcp.load() reads into (the live model and optimizer state; each extra's skeleton, and empty
-    DTensors laid out like their parameters), checked against the checkpoint."""
+    """Step 4: what dcp.load() reads into, checked against the checkpoint: the live model and optimizer state;
+    each extra's skeleton, and empty DTensors laid out like the parameters they were laid out like."""
     model_sd, optim_sd = _state_dicts(model, optimizers)
     live = {**{f"model.{k}": v for k, v in model_sd.items()}, **{f"optim.{k}": v for k, v in optim_sd.items()}}
     names = _param_names(model, model_sd)
@@ -496,11 +449,9 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
         if entry is None and not name.startswith("rng."):  # a generator: saved with rng=False, or without CUDA
             raise CheckpointError(f"extra {name!r} is not in {ckpt_dir}, which holds {sorted(manifest['extra'])}")
         if entry and entry["per_rank"] and resized and not name.startswith("rng."):
-            raise CheckpointError(
-                f"extra {name!r} differed between ranks when {ckpt_dir} was saved at world size "
-                f"{manifest['world_size']}: there is no right way to give it to {dist.get_world_size()} ranks. Resume "
-                f"at {manifest['world_size']} ranks, or make its state_dict() the same on every rank (a global "
-                "position, say), so that it reshards")
+            raise CheckpointError(f"extra {name!r} differed between ranks when saved at world size "
+                                  f"{manifest['world_size']}, so it cannot go to {dist.get_world_size()} ranks: "
+                                  "resume at that size, or make its state_dict() the same on every rank")
         if entry is None or entry["per_rank"] and resized:  # a generator that differed between ranks: left as is
             continue
         skeleton = f"rank.{dist.get_rank()}.extra.{name}" if entry["per_rank"] else f"extra.{name}"
@@ -508,12 +459,10 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
         for path, fqn in entry["like"].items():
             request[f"extra.{name}{path}"] = _empty_like(saved[f"extra.{name}{path}"], model_sd.get(fqn))
         extras[name] = (obj, skeleton, list(entry["like"]))
-    unused = sorted(set(manifest["extra"]) - set(extras))
-    if unused and dist.get_rank() == 0:
+    if set(manifest["extra"]) - set(extras) and dist.get_rank() == 0:
         log.warning("not restored from %s: %s (not passed to load(), or per rank at another world size)", ckpt_dir,
-                    ", ".join(unused))
+                    ", ".join(sorted(set(manifest["extra"]) - set(extras))))
     return Plan(request, live, names, without, extras)
-
 
 def _match(ckpt_dir, saved, request, live, optimizers):
     """Refuse, naming the keys, a checkpoint whose model or optimizer keys, shapes or dtypes are not the live ones."""
@@ -532,11 +481,9 @@ def _match(ckpt_dir, saved, request, live, optimizers):
     if optimizers and all(k.startswith("optim.") for k in missing + unexpected):
         hint = " (to load the weights alone, pass optimizer=None)"
     if any(k.endswith(".initial_lr") for k in missing + unexpected):
-        hint = (" (an LR scheduler adds 'initial_lr' to the optimizer's param_groups when it is made: make schedulers "
-                "before load(), as before save())")
+        hint = " (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before load(), as at save())"
     if problems:
         raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model/optimizer{hint}: {'; '.join(problems)}")
-
 
 def _empty_like(saved, param):
     """What an extra's value is read into: None for a pickled value (SafeLoadPlanner fills it in); a DTensor laid
@@ -547,7 +494,6 @@ def _empty_like(saved, param):
         return torch.distributed.tensor.empty(saved.size, dtype=saved.properties.dtype,
                                               device_mesh=param.device_mesh, placements=param.placements)
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
-
 
 def _restore(plan, model, optimizers):
     """Step 5, after dcp.load(): hand the values to the model, the optimizers and the extras (user code runs)."""
@@ -565,7 +511,6 @@ def _restore(plan, model, optimizers):
         dtensors = {path: values[f"extra.{name}{path}"] for path in paths}
         obj.load_state_dict(_walk(values[skeleton], lambda path, value: dtensors.get(path, value)))
 
-
 def _optimizer_summary(optimizers, names):
     """{parameter name: [its optimizer state's keys, its step]}, what load() checks again in step 6."""
     summary = {}
@@ -574,14 +519,12 @@ def _optimizer_summary(optimizers, names):
             summary[names[param][0]] = [sorted(state), float(state["step"]) if "step" in state else None]
     return summary
 
-
 def _check_optimizers(optimizers, names, saved):
     restored = _optimizer_summary(optimizers, names)
     for fqn in sorted(set(restored) | set(saved)):
         if restored.get(fqn) != saved.get(fqn):
             raise CheckpointError(f"optimizer state of {fqn} after loading: {restored.get(fqn)} ([keys, step]); "
                                   f"saved: {saved.get(fqn)}")
-
 
 def _param_names(model, model_sd):
     """{parameter: its names in the state dict}: torch.compile (_orig_mod) and activation checkpointing
@@ -601,16 +544,13 @@ def _param_names(model, model_sd):
 def step_dir(root, step):
     return os.path.join(root, f"step-{step:08d}")
 
-
 def _steps(root):
     """The steps of the step-N directories under root, in order. Each is a commit: it appeared by a rename."""
     matches = [STEP_RE.match(n) for n in (os.listdir(root) if os.path.isdir(root) else [])]
     return sorted(int(m.group(1)) for m in matches if m)
 
-
 def committed_steps(root):
     return [s for s in _steps(root) if os.path.isfile(os.path.join(step_dir(root, s), MANIFEST))]
-
 
 def find_checkpoint(path):
     """The checkpoint load() uses: path itself if it is a checkpoint directory, else the highest step under path.
@@ -618,17 +558,14 @@ def find_checkpoint(path):
     name = os.path.basename(os.path.normpath(path))
     if STEP_RE.match(name) or name.startswith(ABANDONED) or os.path.isfile(os.path.join(path, MANIFEST)):
         return path
-    _check_root(path)
     steps = _steps(path)
     return step_dir(path, steps[-1]) if steps else None
-
 
 def _share(names):
     """The files this rank checks: by the number in their names modulo the world size (DCP names rank r's file
     __r_0.distcp; .metadata goes to rank 0). At the same world size a rank checks the file it wrote."""
-    numbers = {name: int(re.search(r"\d+", name).group()) if re.search(r"\d+", name) else 0 for name in names}
+    numbers = {name: int((re.findall(r"\d+", name) or [0])[0]) for name in names}
     return sorted(name for name, n in numbers.items() if n % dist.get_world_size() == dist.get_rank())
-
 
 def _crc32(path):
     """CRC-32 of a file: it catches corruption and truncation, not forgery (the manifest is not signed)."""
@@ -637,7 +574,6 @@ def _crc32(path):
         for block in iter(lambda: f.read(1 << 24), b""):
             crc = zlib.crc32(block, crc)  # releases the GIL: training goes on in another thread
     return f"{crc:08x}"
-
 
 def verify_files(ckpt_dir, manifest, names=None, checksums=True):
     """Check the size (and CRC) of the files the manifest lists (or of names); return the errors found."""
@@ -652,7 +588,6 @@ def verify_files(ckpt_dir, manifest, names=None, checksums=True):
             errors.append(f"{path} does not match its checksum (corrupted)")
     return errors
 
-
 def _digest(value):
     """A digest of a value: of its tensors, their bytes (pickles of equal tensors differ between processes)."""
     h = hashlib.sha256()
@@ -665,26 +600,17 @@ def _digest(value):
     _walk(value, leaf)
     return h.hexdigest()[:16]
 
-
-def _manifest_digest(manifest):
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 def read_manifest(ckpt_dir):
-    """The manifest of a committed checkpoint, checked against its own digest and format."""
+    """The manifest of a committed checkpoint."""
     path = os.path.join(ckpt_dir, MANIFEST)
     try:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read ({e}): {ckpt_dir} is not a committed checkpoint") from e
-    if not isinstance(manifest, dict) or manifest.get("manifest_sha256") != _manifest_digest(manifest):
-        raise CheckpointError(f"{path} was edited or is damaged: its digest does not match its content")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {manifest.get('format')}; this ckpt.py reads format {FORMAT}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a manifest of format {FORMAT}, the one this ckpt.py reads")
     return manifest
-
 
 def fsync_dir(path):
     # A rename is durable only once the directory that holds it is flushed.
@@ -697,26 +623,22 @@ def fsync_dir(path):
 
 # ---- untrusted input: DCP pickles .metadata and every value that is not a tensor ----
 
-# pickle.load of a checkpoint from elsewhere runs any code it names: .metadata may name DCP's types only (and
-# torch's dtypes and layouts).
-_METADATA_GLOBALS = {
+# pickle.load of a file from elsewhere runs any code it names: .metadata may name DCP's types alone (and dtypes).
+_METADATA_TYPES = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                                               "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
                                               "StorageMeta", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size", "device"},
-    "pathlib": {"PosixPath"}, "collections": {"OrderedDict"}, "builtins": {"set", "frozenset", "slice"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
+    "torch": {"Size", "device"}, "pathlib": {"PosixPath"}, "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
 }
-
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        dtype_or_layout = module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
-        if not dtype_or_layout and name not in _METADATA_GLOBALS.get(module, ()):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+        if not dtype and name not in _METADATA_TYPES.get(module, ()):
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type of DCP's metadata")
         return super().find_class(module, name)
-
 
 def read_metadata(ckpt_dir):
     """DCP's .metadata of a checkpoint, read without running code from it."""
@@ -727,10 +649,8 @@ def read_metadata(ckpt_dir):
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path} cannot be read safely: {e}") from e
 
-
 class SafeReader(dcp.FileSystemReader):
     """DCP's file reader, its .metadata read by read_metadata() (metadata: what that returned, if at hand)."""
-
     def __init__(self, path, metadata=None):
         super().__init__(path)
         self.ckpt_dir, self.known_metadata = str(path), metadata
@@ -738,11 +658,9 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         return self.known_metadata or read_metadata(self.ckpt_dir)
 
-
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     """DCP's load planner, unpickling values with torch.load(weights_only=True), plain tensors onto the CPU. Our
     keys are flat already (flatten_state_dict=False): each value lands in the caller's dict under its key."""
-
     def __init__(self):
         super().__init__(flatten_state_dict=False)
 
@@ -751,7 +669,7 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
         self.original_state_dict[read_item.dest_index.fqn] = loaded
 
 
-# ---- coordination: a long-timeout gloo group; an agreement costs one all-reduce when all is well ----
+# ---- coordination: a gloo group with a long timeout; every rank learns of any rank's failure ----
 
 def checkpoint_group(timeout=DEFAULT_TIMEOUT):
     """The gloo group, with its own long timeout, of every checkpoint collective. Training keeps a short timeout,
@@ -759,10 +677,8 @@ def checkpoint_group(timeout=DEFAULT_TIMEOUT):
     would). gloo keeps coordination off the GPU. Creating a group is collective: every rank does it here."""
     timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
     if timeout not in _groups:
-        _groups[timeout] = _collective("make ckpt's process group", dist.new_group, backend="gloo",
-                                       timeout=timeout)
+        _groups[timeout] = _collective("make ckpt's process group", dist.new_group, backend="gloo", timeout=timeout)
     return _groups[timeout]
-
 
 def _collective(what, fn, *args, **kwargs):
     """Run one collective; a timeout or a lost peer becomes a CheckpointError naming the phase."""
@@ -775,7 +691,6 @@ def _collective(what, fn, *args, **kwargs):
                               "rank reached it within the checkpoint timeout (called on every rank? did a rank "
                               f"crash or hang?). Cause: {e}") from e
 
-
 def _attempt(fn, *args):
     """Run a local step: Outcome(its result, None), or Outcome(None, "ExcType: message") to share."""
     try:
@@ -784,38 +699,21 @@ def _attempt(fn, *args):
         log.debug("on rank %d", dist.get_rank(), exc_info=True)
         return Outcome(None, f"{type(e).__name__}: {e}")
 
-
 def _check_all(error, group, what, args=None):
-    """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args.
-
-    One all-reduce when all is well: the max of [failed, h, -h], h a hash of the args; every rank had the same h
-    iff max(h) == -max(-h). Messages travel only when something is wrong.
-    """
-    h = _hash(json.dumps(args, sort_keys=True, default=str))
-    flags = torch.tensor([error is not None, h, -h], dtype=torch.int64)
-    _collective(what, dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=group)
-    if flags[0].item() or flags[1].item() != -flags[2].item():
-        raise CheckpointError(_rank0(group, what, lambda reports: _describe(what, reports), (error, args)))
-
-
-def _describe(what, reports):
-    """Rank 0: the message of _check_all(), from each rank's (error, args)."""
+    """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args."""
+    reports = [None] * dist.get_world_size()
+    _collective(what, dist.all_gather_object, reports, (error, args or {}), group=group)
     failed = [f"rank {r}: {error}" for r, (error, _) in enumerate(reports) if error]
     if failed:
-        return f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed)
-    names = [n for n in reports[0][1] if len({repr(args.get(n)) for _, args in reports}) > 1]
-    ranks = [f"rank {r}: " + " ".join(f"{n}={args.get(n)!r}" for n in names) for r, (_, args) in enumerate(reports)]
-    return f"{what} was given different arguments on different ranks: " + "; ".join(ranks)
-
-
-def _differing(parts):
-    """Rank 0: the keys whose value is not the same in every rank's {key: value}."""
-    return {key for key in parts[0] if any(part[key] != parts[0][key] for part in parts)}
-
+        raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
+    names = [name for name in args or {} if any(other[name] != args[name] for _, other in reports)]
+    ranks = [f"rank {r}: " + " ".join(f"{n}={other[n]!r}" for n in names) for r, (_, other) in enumerate(reports)]
+    if names:
+        raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
 
 def _rank0(group, what, fn, part=None):
     """Rank 0 runs fn([every rank's part]); every rank returns its result, or raises its error."""
-    parts = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     _collective(what, dist.gather_object, part, parts, dst=0, group=group)
     outcome = [*_attempt(fn, parts)] if dist.get_rank() == 0 else [None, None]
     _collective(what, dist.broadcast_object_list, outcome, src=0, group=group)
@@ -823,27 +721,11 @@ def _rank0(group, what, fn, part=None):
         raise CheckpointError(f"{what} failed on rank 0: {outcome[1]}")
     return outcome[0]
 
-
-def _hash(text):
-    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)  # so that -h and max fit an int64
-
-
 def _as_list(optimizer):
     return [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
 
 
 # ---- the root: one live run writes to it ----
-
-def _check_root(root):
-    """A root holds steps and hidden names (ours, or a file system's: .nfsXXXX); anything else means a wrong path."""
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise CheckpointError(f"checkpoint root {root} exists and is not a directory")
-    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    foreign = [n for n in names if not (STEP_RE.match(n) or n.startswith(".") or n == "lost+found")]
-    if foreign:
-        raise CheckpointError(f"{root} does not look like a checkpoint root: it holds {foreign[:5]}; give a "
-                              "directory that holds only step-NNNNNNNN checkpoints (or a new one)")
-
 
 def _claim(root, stale_after):
     """Rank 0: make this run the only writer of root, or raise naming the run that is. Two runs on one root delete
@@ -853,35 +735,25 @@ def _claim(root, stale_after):
         if (_read_owner(path)[0] or {}).get("run") != _claims[root][0]:
             raise CheckpointError(f"this run lost its claim on {root}: another run took it over and writes there")
         return
-    _check_root(root)
     os.makedirs(root, exist_ok=True)
     me = {"run": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "started": time.ctime(),
           "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")}
-    while True:
-        try:  # "x": create-exclusive, atomic on local file systems and NFS v3+ (flock is not reliable on NFS)
-            with open(path, "x") as f:
-                json.dump(me, f)
-            break
-        except FileExistsError:
-            owner, age = _read_owner(path)
-        # Gone: its process is (on this host; our very pid is an earlier life of it, in a restarted container).
-        same_host = owner is not None and owner.get("host") == me["host"]
-        gone = same_host and (owner.get("pid") == me["pid"] or not _alive(owner.get("pid")))
-        if owner is not None and not gone and age < stale_after:
+    owner, age = _read_owner(path)
+    if owner is not None:
+        # Gone: its process, on this host (our very pid is an earlier life of it, in a restarted container).
+        gone = owner.get("host") == me["host"] and (owner.get("pid") == me["pid"] or not _alive(owner.get("pid")))
+        if not gone and age < stale_after:
             who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
-            raise CheckpointError(f"{root} is in use by another run ({who}; claim refreshed {age:.0f} s ago). Two "
-                                  "runs on one root delete each other's checkpoints: stop that run or use another root "
-                                  "(reading needs no claim: load() takes none). If it is gone, its claim expires "
-                                  f"{stale_after:.0f} s after its last refresh, or delete {path}")
-        if owner is not None:
-            log.warning("taking over %s from %s: %s", root, owner, "its process is gone" if gone else
-                        f"no refresh for {age:.0f} s (stale after {stale_after:.0f} s)")
-            aside = os.path.join(root, f"{TMP}owner-{me['run']}")
-            try:  # of two runs taking over at once, one wins this rename; the other tries again
-                os.replace(path, aside)
-                os.remove(aside)
-            except FileNotFoundError:
-                pass
+            raise CheckpointError(f"{root} is in use by another run ({who}; refreshed {age:.0f} s ago): stop it or "
+                                  f"use another root. A claim expires {stale_after:.0f} s after its run stops; or "
+                                  f"delete {path}. (Reading needs none: load() takes no claim.)")
+        log.warning("taking over %s from %s: %s", root, owner, "its process is gone" if gone else f"stale, {age:.0f} s")
+        os.remove(path)
+    try:  # "x": create-exclusive, atomic on local file systems and NFS v3+ (flock is not reliable on NFS)
+        with open(path, "x") as f:
+            json.dump(me, f)
+    except FileExistsError:
+        raise CheckpointError(f"{root} was claimed by another run just now: {_read_owner(path)[0]}") from None
     stop = threading.Event()  # the refresher is a daemon thread: a run that crashes must still exit
     thread = threading.Thread(target=_refresh, args=(path, stop, stale_after / 4), name="ckpt-claim", daemon=True)
     thread.start()
@@ -890,7 +762,6 @@ def _claim(root, stale_after):
         if name.startswith(TMP):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             log.warning("removed %s, left by an interrupted save", os.path.join(root, name))
-
 
 def _read_owner(path):
     """(the claim's record, seconds since its last refresh), or (None, None) if there is no claim."""
@@ -903,14 +774,12 @@ def _read_owner(path):
     except (OSError, ValueError):
         return {}, age  # half-written by a run that died: judged by its age alone
 
-
 def _alive(pid):
     try:
         os.kill(pid, 0)  # signal 0: is there such a process?
     except OSError as e:
         return e.errno != errno.ESRCH  # EPERM: there is, another user's
     return True
-
 
 def _refresh(path, stop, every):
     # The claim's modification time is its heartbeat: a run that stops refreshing it can be taken over.
