@@ -191,10 +191,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         dcp.load(plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except dcp.CheckpointException as e:  # DCP raises every rank's failure on every rank
         raise _refusal(ckpt_dir, CheckpointError(f"reading {ckpt_dir} failed: {e}")) from e
-    restored = _attempt(_restore, plan.value, model, optimizers)
-    # 6. Verify what set_state_dict() put into the optimizers.
-    if restored.error is None and optimizers:
-        restored = _attempt(_check_optimizers, optimizers, plan.value.names, manifest["optimizer"])
+    restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer"])
     _check_all(restored.error, group, f"load: restore {ckpt_dir}")
     _base[os.path.dirname(ckpt_dir)] = manifest["step"]
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
@@ -249,8 +246,7 @@ class PendingSave:
             log.info("checkpoint %s committed", self.path)
         return self.path
 
-def wait_pending():
-    """Commit the save in flight, if any (on every rank)."""
+def wait_pending():  # commit the save in flight, if any (on every rank)
     while _in_flight:
         _in_flight[0].wait()
 
@@ -261,8 +257,7 @@ def wait_pending():
 # the parameter it is laid out like}}; optimizer: see _optimizer_summary().
 Collected = collections.namedtuple("Collected", "flat skeletons like optimizer")
 
-def _collect(model, optimizers, extra, rng):
-    """Step 1: this rank's state."""
+def _collect(model, optimizers, extra, rng):  # step 1
     _check_optimizer_state(model, optimizers)
     model_sd, optim_sd = _state_dicts(model, optimizers)
     flat = {f"model.{k}": v for k, v in model_sd.items()}
@@ -288,7 +283,7 @@ def _collect(model, optimizers, extra, rng):
     return Collected(flat, skeletons, like, _optimizer_summary(optimizers, _param_names(model, model_sd)))
 
 def _walk(value, leaf, path=""):
-    """value rebuilt with leaf(path, x) in place of each leaf x; dicts, lists and tuples are walked."""
+    """value rebuilt with leaf(path, x) in place of each leaf x of its dicts, lists and tuples."""
     if isinstance(value, dict):
         for key in value:
             _restorable(f"{path}: the key {key!r}", key)
@@ -300,9 +295,8 @@ def _walk(value, leaf, path=""):
 
 def _restorable(path, value):
     if not isinstance(value, PLAIN):
-        raise CheckpointError(f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which load() cannot "
-                              "restore without running code from the checkpoint: convert it in state_dict() (to "
-                              "tensors, numbers, str, bytes, None, dicts, lists, tuples), and back in load_state_dict()")
+        raise CheckpointError(f"{path} is a {type(value).__module__}.{type(value).__qualname__}: load() cannot restore it "
+                              "without running code from the checkpoint; convert it in state_dict(), and back")
     return value
 
 def _layout(t):
@@ -319,20 +313,17 @@ def _check_optimizer_state(model, optimizers):
                                           f"{names.get(param)} is a {type(value).__name__}; only tensors, numbers "
                                           "and dicts are saved by parameter name: drop or convert it before save()")
 
-def _state_dicts(model, optimizers):
-    """Model and optimizer state keyed by parameter name; on load, a fresh optimizer gets placeholder state."""
+def _state_dicts(model, optimizers):  # on load, torch gives a fresh optimizer placeholder state
     if optimizers:
         return get_state_dict(model, optimizers, options=SD_OPTIONS)
     return get_model_state_dict(model, options=SD_OPTIONS), {}
 
-def _extras(extra, rng):
-    """The objects whose state is saved: the caller's extras and, with rng, the random generators."""
+def _extras(extra, rng):  # the caller's extras and, with rng, the random generators
     for name, obj in (extra or {}).items():
         if not isinstance(name, str) or not name or "." in name or name == "rng":
             raise CheckpointError(f"extra {name!r}: a name is part of the keys: a str without '.', and not 'rng'")
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):  # restored in place
-            raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, which has no state_dict() and "
-                                  "load_state_dict(): wrap it in an object that has both")
+            raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, without state_dict()/load_state_dict()")
     if not rng:
         return dict(extra or {})
     generators = {"rng.torch": _generator(torch.get_rng_state, torch.set_rng_state),
@@ -344,8 +335,7 @@ def _extras(extra, rng):
 def _generator(get_state, set_state):
     return types.SimpleNamespace(state_dict=get_state, load_state_dict=set_state)
 
-def _prepare(root, step):
-    """Step 3, rank 0: claim the root, and a fresh directory to write the step into."""
+def _prepare(root, step):  # step 3, rank 0
     _claim(root, STALE_AFTER)
     # DCP assumes an empty directory: an old .metadata beside new shards would be trusted. A unique name also
     # means that a leftover we could not remove never blocks a later save.
@@ -362,8 +352,7 @@ def _write(state, tmp, group):
     paths = {name: os.path.join(tmp, name) for name in _share(os.listdir(tmp))}
     return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
 
-def _commit(c, parts):
-    """Steps 5-6, rank 0: the manifest, the rename that makes the checkpoint visible, then retention."""
+def _commit(c, parts):  # steps 5-6, rank 0
     failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(parts) if error]
     if failed:
         raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was committed; "
@@ -410,16 +399,14 @@ def _move_aside(root, base):
 # without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key, DTensor paths)}.
 Plan = collections.namedtuple("Plan", "request live names without extras")
 
-def _choose(path):
-    """Step 2, rank 0: (the checkpoint directory, its manifest), or (None, None)."""
+def _choose(path):  # step 2, rank 0
     found = find_checkpoint(path)
     try:
         return (found, read_manifest(found)) if found else (None, None)
     except CheckpointError as e:
         raise _refusal(found, e) from e
 
-def _refusal(ckpt_dir, error):
-    """The error for a checkpoint that is damaged or gone, naming what there is to load instead."""
+def _refusal(ckpt_dir, error):  # for a checkpoint that is damaged or gone: names what to load instead
     root, name = os.path.split(ckpt_dir)
     steps = _steps(root)
     if not os.path.isdir(ckpt_dir):
@@ -495,8 +482,9 @@ def _empty_like(saved, param):
                                               device_mesh=param.device_mesh, placements=param.placements)
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
 
-def _restore(plan, model, optimizers):
-    """Step 5, after dcp.load(): hand the values to the model, the optimizers and the extras (user code runs)."""
+def _restore(plan, model, optimizers, saved_summary):
+    """Steps 5-6, after dcp.load(): hand the values to the model, the optimizers and the extras (user code runs),
+    then check that every parameter's optimizer state has the keys and step it was saved with."""
     values = {**plan.live, **plan.request}  # with the placeholders of parameters saved without optimizer state
     model_sd = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     if optimizers:
@@ -510,21 +498,19 @@ def _restore(plan, model, optimizers):
     for name, (obj, skeleton, paths) in plan.extras.items():
         dtensors = {path: values[f"extra.{name}{path}"] for path in paths}
         obj.load_state_dict(_walk(values[skeleton], lambda path, value: dtensors.get(path, value)))
+    summary = _optimizer_summary(optimizers, plan.names)
+    for fqn in sorted(set(summary) | set(saved_summary or {})) if optimizers else ():
+        if summary.get(fqn) != saved_summary.get(fqn):
+            raise CheckpointError(f"optimizer state of {fqn} after loading: {summary.get(fqn)} ([keys, step]); "
+                                  f"saved: {saved_summary.get(fqn)}")
 
 def _optimizer_summary(optimizers, names):
-    """{parameter name: [its optimizer state's keys, its step]}, what load() checks again in step 6."""
+    """{parameter name: [its optimizer state's keys, its step]}: saved in the manifest, checked after a load."""
     summary = {}
     for opt in optimizers:
         for param, state in opt.state.items():
             summary[names[param][0]] = [sorted(state), float(state["step"]) if "step" in state else None]
     return summary
-
-def _check_optimizers(optimizers, names, saved):
-    restored = _optimizer_summary(optimizers, names)
-    for fqn in sorted(set(restored) | set(saved)):
-        if restored.get(fqn) != saved.get(fqn):
-            raise CheckpointError(f"optimizer state of {fqn} after loading: {restored.get(fqn)} ([keys, step]); "
-                                  f"saved: {saved.get(fqn)}")
 
 def _param_names(model, model_sd):
     """{parameter: its names in the state dict}: torch.compile (_orig_mod) and activation checkpointing
@@ -544,8 +530,7 @@ def _param_names(model, model_sd):
 def step_dir(root, step):
     return os.path.join(root, f"step-{step:08d}")
 
-def _steps(root):
-    """The steps of the step-N directories under root, in order. Each is a commit: it appeared by a rename."""
+def _steps(root):  # each step-N directory is a commit: it appeared by a rename
     matches = [STEP_RE.match(n) for n in (os.listdir(root) if os.path.isdir(root) else [])]
     return sorted(int(m.group(1)) for m in matches if m)
 
@@ -567,8 +552,7 @@ def _share(names):
     numbers = {name: int((re.findall(r"\d+", name) or [0])[0]) for name in names}
     return sorted(name for name, n in numbers.items() if n % dist.get_world_size() == dist.get_rank())
 
-def _crc32(path):
-    """CRC-32 of a file: it catches corruption and truncation, not forgery (the manifest is not signed)."""
+def _crc32(path):  # catches corruption and truncation, not forgery (the manifest is not signed)
     crc = 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -576,7 +560,7 @@ def _crc32(path):
     return f"{crc:08x}"
 
 def verify_files(ckpt_dir, manifest, names=None, checksums=True):
-    """Check the size (and CRC) of the files the manifest lists (or of names); return the errors found."""
+    """The errors in the size (and CRC) of the files the manifest lists, or of names."""
     errors = []
     for name in sorted(manifest["files"]) if names is None else names:
         path, want = os.path.join(ckpt_dir, name), manifest["files"][name]
@@ -601,7 +585,6 @@ def _digest(value):
     return h.hexdigest()[:16]
 
 def read_manifest(ckpt_dir):
-    """The manifest of a committed checkpoint."""
     path = os.path.join(ckpt_dir, MANIFEST)
     try:
         with open(path) as f:
@@ -640,8 +623,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type of DCP's metadata")
         return super().find_class(module, name)
 
-def read_metadata(ckpt_dir):
-    """DCP's .metadata of a checkpoint, read without running code from it."""
+def read_metadata(ckpt_dir):  # DCP's .metadata, read without running code from it
     path = os.path.join(ckpt_dir, ".metadata")
     try:
         with open(path, "rb") as f:
@@ -680,8 +662,7 @@ def checkpoint_group(timeout=DEFAULT_TIMEOUT):
         _groups[timeout] = _collective("make ckpt's process group", dist.new_group, backend="gloo", timeout=timeout)
     return _groups[timeout]
 
-def _collective(what, fn, *args, **kwargs):
-    """Run one collective; a timeout or a lost peer becomes a CheckpointError naming the phase."""
+def _collective(what, fn, *args, **kwargs):  # a timeout or a lost peer becomes a CheckpointError naming the phase
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
@@ -691,8 +672,7 @@ def _collective(what, fn, *args, **kwargs):
                               "rank reached it within the checkpoint timeout (called on every rank? did a rank "
                               f"crash or hang?). Cause: {e}") from e
 
-def _attempt(fn, *args):
-    """Run a local step: Outcome(its result, None), or Outcome(None, "ExcType: message") to share."""
+def _attempt(fn, *args):  # a local step's Outcome, to share
     try:
         return Outcome(fn(*args), None)
     except FAILURES as e:
@@ -763,8 +743,7 @@ def _claim(root, stale_after):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             log.warning("removed %s, left by an interrupted save", os.path.join(root, name))
 
-def _read_owner(path):
-    """(the claim's record, seconds since its last refresh), or (None, None) if there is no claim."""
+def _read_owner(path):  # (the claim, seconds since its last refresh), or (None, None)
     try:
         age = time.time() - os.stat(path).st_mtime
         with open(path) as f:

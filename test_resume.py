@@ -12,12 +12,13 @@ Point it at your own training script to check your integration of ckpt.py:
     python test_resume.py --script path/to/train.py [--nproc 2] [--args="--model tiny"]
     CKPT_TEST_SCRIPT=path/to/train.py CKPT_TEST_NPROC=2 CKPT_TEST_ARGS="--model tiny" python -m pytest -v -s test_resume.py
 
-The script must accept --steps N (the length of the whole run), --stop-after K (save step K, exit 0),
---resume (continue from the newest checkpoint in --ckpt-dir; start at step 0 if there is none),
---ckpt-dir D and --log-file F, and append to F one JSON object per step from rank 0 with "step" and
-"loss" (and "lr", "samples" if it has them, which are compared too). It runs 16 steps uninterrupted,
-then stopped after 6 and 11 and resumed twice; every logged value must be equal, bit for bit. The
-negative controls patch train_fsdp.py and run only on it.
+The script must accept --steps N (the length of the whole run, whose last step it saves), --stop-after K
+(save step K, exit 0), --resume (continue from the newest checkpoint in --ckpt-dir; start at step 0 if there
+is none), --ckpt-dir D and --log-file F, and append to F one JSON object per step from rank 0 with "step" and
+"loss" (and "lr", "samples" if it has them, which are compared too). It runs 16 steps uninterrupted, then
+stopped after 6 and 11 and resumed twice; every logged value must be equal, bit for bit, and so must every
+value of the two runs' final checkpoints (model, optimizer, extras, random generators): state that does not
+move the loss (an EMA, say) is compared too. The negative controls patch train_fsdp.py and run only on it.
 """
 
 import argparse
@@ -25,9 +26,13 @@ import os
 import shlex
 import shutil
 import sys
+import warnings
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
+import ckpt
 from tests.harness import REPO, SMALL, TRAIN, max_abs_diff, read_log, torchrun
 
 NAIVE = os.path.join(REPO, "tests", "naive_resume.py")
@@ -57,7 +62,40 @@ def reference(tmp_path_factory):
     # The loss must visibly fall for the test to mean anything (a resume at the wrong step shows).
     assert log[STEPS]["loss"] < log[1]["loss"] - (0.5 if OURS else 0.0), \
         f"the uninterrupted run did not train (loss at step {STEPS} not below step 1's): {[log[s]['loss'] for s in sorted(log)]}"
-    return log
+    return log, d / "ckpt"
+
+
+def final_state(root):
+    """Every value of the newest checkpoint under root, tensors in full, read in this one process."""
+    path = ckpt.find_checkpoint(str(root))
+    metadata = ckpt.read_metadata(path)
+    state = {k: torch.empty(md.size, dtype=md.properties.dtype) if hasattr(md, "size") else None
+             for k, md in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():  # "torch.distributed is disabled": one process is the point
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=ckpt.SafeReader(path, metadata), planner=ckpt.SafeLoadPlanner(), no_dist=True)
+    return ckpt.read_manifest(path)["step"], state
+
+
+def differences(a, b, key=""):
+    """[(key, max |a - b| or None)] wherever a and b differ, bit for bit (tensors by their bytes)."""
+    where = lambda k: f"{key}.{k}" if key else str(k)  # noqa: E731
+    found = []
+    if isinstance(a, dict) and isinstance(b, dict):
+        found += [(where(k), None) for k in set(a) ^ set(b)]
+        for k in set(a) & set(b):
+            found += differences(a[k], b[k], where(k))
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            found += differences(x, y, where(i))
+    elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            found.append((key, None))
+        elif not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            found.append((key, (a.double() - b.double()).abs().max().item() if a.is_floating_point() else None))
+    elif type(a) is not type(b) or a != b:
+        found.append((key, None))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +107,7 @@ def interrupted(tmp_path_factory):
 
 
 def test_resume_is_bit_exact(reference, interrupted, tmp_path):
+    reference, reference_root = reference
     d = tmp_path
     shutil.copytree(interrupted, d, dirs_exist_ok=True)
     args = COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl")]
@@ -85,6 +124,14 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
                     "the global RNG between load() and that step (iter(DataLoader) does: give it a generator)?"
                     if s in (7, 12) else "")
             assert log[s][k] == reference[s][k], f"step {s}: {k} {log[s][k]!r} != {reference[s][k]!r}{hint}"
+    (step, want), (got_step, got) = final_state(reference_root), final_state(d / "ckpt")
+    diff = differences(want, got)
+    worst = max((delta for _, delta in diff if delta is not None), default=0.0)
+    print(f"final checkpoints of step {step}: {len(want)} keys, {len(diff)} differ, max |dstate| = {worst:.3e}")
+    assert got_step == step == STEPS, f"the final checkpoints are of steps {step} and {got_step}, not {STEPS}"
+    assert not diff, (f"the resumed run's final state differs from the uninterrupted run's at {sorted(diff)[0][0]} "
+                      f"({len(diff)} values): is that state passed to ckpt.load (extra), and its random generator "
+                      "seeded at start-up (random.seed, torch.manual_seed)?")
 
 
 @pytest.mark.skipif(not OURS, reason="the controls patch train_fsdp.py (tests/naive_resume.py)")
@@ -92,6 +139,7 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
 def test_naive_resume_is_caught(reference, interrupted, tmp_path, mode):
     """Negative control: the same comparison flags a resume that restores the optimizer wrongly
     (tests/naive_resume.py: state dropped, or matched by position)."""
+    reference, _ = reference
     d = tmp_path
     shutil.copytree(interrupted, d, dirs_exist_ok=True)
     torchrun(COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--resume"],

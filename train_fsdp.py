@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import random
 import signal
 import time
 
@@ -66,8 +67,7 @@ def get_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
     args = p.parse_args(argv)
-    if args.ffn_dim is None:
-        args.ffn_dim = 8 * ((8 * args.dim // 3 + 7) // 8)
+    args.ffn_dim = args.ffn_dim or 8 * ((8 * args.dim // 3 + 7) // 8)
     args.mixed_precision = args.mixed_precision or ("bf16" if torch.cuda.is_available() else "fp32")
     args.resume = args.resume or args.resume_from is not None
     return args
@@ -203,6 +203,7 @@ def lr_lambda(args):
 
 def build_model(args, device):
     torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shard
+    random.seed(args.seed)  # unused here, but saved like every generator: runs compare equal to the last bit
     model = LlamaLM(args).to(device)
     mesh = None
     if args.hsdp:  # each parameter sharded within a "shard" group, its gradient all-reduced across the R replicas
@@ -299,9 +300,8 @@ def train(args, device, rank, world):
         tok_s = args.batch_size * args.seq_len / (time.time() - t0)
         say(f"step {state.step:5d} | loss {mean_loss:.4f} | lr {lr:.3e} | {tok_s:,.0f} tok/s")
         if args.log_file and rank == 0:
-            record = {"step": state.step, "loss": mean_loss, "lr": lr, "samples": state.samples}
             with open(args.log_file, "a") as log:
-                log.write(json.dumps(record) + "\n")
+                log.write(json.dumps({"step": state.step, "loss": mean_loss, "lr": lr, "samples": state.samples}) + "\n")
         if pending is not None and stats[2].item() == world:  # every rank's write is done: commit it
             report(pending.wait(), pending_t0)
             pending = None
