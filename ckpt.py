@@ -295,8 +295,9 @@ def _walk(value, leaf, path=""):
 
 def _restorable(path, value):
     if not isinstance(value, PLAIN):
-        raise CheckpointError(f"{path} is a {type(value).__module__}.{type(value).__qualname__}: load() cannot restore it "
-                              "without running code from the checkpoint; convert it in state_dict(), and back")
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        raise CheckpointError(f"{path} is a {kind}: load() cannot restore it without running code from the checkpoint; "
+                              "convert it in state_dict(), and back in load_state_dict()")
     return value
 
 def _layout(t):

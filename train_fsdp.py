@@ -301,7 +301,7 @@ def train(args, device, rank, world):
         say(f"step {state.step:5d} | loss {mean_loss:.4f} | lr {lr:.3e} | {tok_s:,.0f} tok/s")
         if args.log_file and rank == 0:
             with open(args.log_file, "a") as log:
-                log.write(json.dumps({"step": state.step, "loss": mean_loss, "lr": lr, "samples": state.samples}) + "\n")
+                log.write(json.dumps(dict(step=state.step, loss=mean_loss, lr=lr, samples=state.samples)) + "\n")
         if pending is not None and stats[2].item() == world:  # every rank's write is done: commit it
             report(pending.wait(), pending_t0)
             pending = None
