@@ -115,7 +115,8 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     # An extra whose state differs between ranks is stored per rank: DCP would keep one rank's copy.
-    digests, every = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()}, [None] * world
+    digests = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()}
+    every = [None] * world
     _collective("save: compare the extras", dist.all_gather_object, every, digests, group=group)
     per_rank = {name for name in digests if any(d[name] != digests[name] for d in every)}
     base = _base.get(root)
@@ -221,7 +222,8 @@ def close():
             dist.destroy_process_group(group)
         for stager in _stagers:
             stager.close()
-        _claims.clear(), _groups.clear(), _stagers.clear()
+        for registry in (_claims, _groups, _stagers):
+            registry.clear()
 
 # What wait() needs to commit a save; base: the step this run continues from (see _move_aside).
 Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base")
@@ -500,7 +502,7 @@ def _restore(plan, model, optimizers, saved_summary):
         dtensors = {path: values[f"extra.{name}{path}"] for path in paths}
         obj.load_state_dict(_walk(values[skeleton], lambda path, value: dtensors.get(path, value)))
     summary = _optimizer_summary(optimizers, plan.names)
-    for fqn in sorted(set(summary) | set(saved_summary or {})) if optimizers else ():
+    for fqn in sorted(set(summary) | set(saved_summary or {})):
         if summary.get(fqn) != saved_summary.get(fqn):
             raise CheckpointError(f"optimizer state of {fqn} after loading: {summary.get(fqn)} ([keys, step]); "
                                   f"saved: {saved_summary.get(fqn)}")
