@@ -490,19 +490,19 @@ def _restore(plan, model, optimizers, saved_summary):
     then check that every parameter's optimizer state has the keys and step it was saved with."""
     values = {**plan.live, **plan.request}  # with the placeholders of parameters saved without optimizer state
     model_sd = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
-    if optimizers:
-        optim_sd = {k.removeprefix("optim."): v for k, v in values.items() if k.startswith("optim.")}
-        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=SD_OPTIONS)
-        for param in plan.without:  # no state when saved: none now, as in the uninterrupted run
-            for opt in optimizers:
-                opt.state.pop(param, None)
-    else:
-        set_model_state_dict(model, model_sd, options=SD_OPTIONS)
     for name, (obj, skeleton, paths) in plan.extras.items():
         dtensors = {path: values[f"extra.{name}{path}"] for path in paths}
         obj.load_state_dict(_walk(values[skeleton], lambda path, value: dtensors.get(path, value)))
+    if not optimizers:
+        set_model_state_dict(model, model_sd, options=SD_OPTIONS)
+        return
+    optim_sd = {k.removeprefix("optim."): v for k, v in values.items() if k.startswith("optim.")}
+    set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=SD_OPTIONS)
+    for param in plan.without:  # no state when saved: none now, as in the uninterrupted run
+        for opt in optimizers:
+            opt.state.pop(param, None)
     summary = _optimizer_summary(optimizers, plan.names)
-    for fqn in sorted(set(summary) | set(saved_summary or {})):
+    for fqn in sorted(set(summary) | set(saved_summary)):
         if summary.get(fqn) != saved_summary.get(fqn):
             raise CheckpointError(f"optimizer state of {fqn} after loading: {summary.get(fqn)} ([keys, step]); "
                                   f"saved: {saved_summary.get(fqn)}")
