@@ -1,15 +1,22 @@
-"""What saves, loads: the state users hand ckpt.py, round-tripped in one process (world size 1, gloo).
+"""What saves, loads: the state users hand ckpt.py, in one process (world size 1, gloo) and in one 2-rank job.
 
-Guards against checkpoints that save but never load (a OneCycleLR or a list of dicts
-in `extra`, an empty dict, numpy values), values refused only at resume time, a
-weights-only load that is impossible, and a fingerprint that misses misplaced data.
-Multi-rank layouts are in tests/test_setups.py.
+Guards against checkpoints that save but never load (a OneCycleLR, a disabled GradScaler, an empty dict in
+`extra`), state that comes back changed (tuples as lists, int keys as str, DTensors as plain tensors, a second
+optimizer's moments lost), values refused only at resume time instead of at save, refusals that do not say what
+to fix, and a save that silently rewrites or rewinds the step it continues from.
 
-    python -m pytest -v tests/test_state.py
+The single-process tests build a small FSDP2 model at world size 1. The 2-rank scenarios (several optimizers,
+a lazy EMA, an optimizer passed as an extra, DTensors in extras, refusals on every rank) run in ONE torchrun job,
+tests/state_job.py, launched once for the module; each test below asserts on its part of the job's RESULT line.
+
+    python -m pytest -q -s tests/test_state.py
 """
 
+import json
 import os
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -17,8 +24,17 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import ckpt
+from tests import state_job
+from tests.harness import REPO, torchrun
 
 np = pytest.importorskip("numpy")  # numpy is in requirements.txt (torch's object collectives need it)
+
+JOB = os.path.join(REPO, "tests", "state_job.py")
+# ckpt.py's DCP writer rebuilds each extra's state through DCP's traverse_state_dict (DefaultSavePlanner with its
+# default flatten_sharded_tensors=True), which turns every dict key into str(key) and drops empty dicts. Remove
+# these markers once ckpt.py passes flatten_sharded_tensors=False (pytest --runxfail shows the tests then pass).
+DCP_KEYS_BUG = pytest.mark.xfail(strict=True, reason="ckpt.py bug: an extra's non-str dict keys come back as str "
+                                 "and its empty dicts vanish (DCP's DefaultSavePlanner, flatten_sharded_tensors)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,6 +47,9 @@ def world_of_one():
     yield
     ckpt.close()
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------- single process, world size 1
 
 
 class Net(torch.nn.Module):
@@ -52,7 +71,7 @@ def make(seed=0):
 
 
 def train(model, opt, steps, sched=None):
-    for i in range(steps):
+    for _ in range(steps):
         x = torch.randn(4, 8)
         model(x).pow(2).mean().backward()
         opt.step()
@@ -61,42 +80,44 @@ def train(model, opt, steps, sched=None):
             sched.step()
 
 
-class Box:
-    """An extra whose state is whatever the test puts in it."""
-
-    def __init__(self, state=None):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, sd):
-        self.state = sd
+Box = state_job.Box
 
 
 def same(a, b):
-    """Exact equality through nested containers, tensors and numpy values, types included."""
+    """Exact equality through nested containers and tensors, types (of keys too) included."""
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
+        return [(type(k), k) for k in a] == [(type(k), k) for k in b] and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if type(a).__module__ == "numpy":
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     return a == b or (a != a and b != b)
 
 
-def schedulers(opt):
-    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=50)
-    return one_cycle
+def nothing_written(root):
+    """No commit and no save in progress under root (the root itself may not exist)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return ckpt.committed_steps(str(root)) == [] and not [n for n in names if n.startswith(ckpt.TMP)]
+
+
+def round_trip(tmp_path, extra, fresh):
+    """Save model, optimizer and extra; load into a fresh model and the `fresh` extras; {name: same?}."""
+    model, opt = make()
+    train(model, opt, 1)
+    saved = {k: v.state_dict() for k, v in extra.items()}
+    path = ckpt.save(str(tmp_path), 1, model, opt, extra)
+    model2, opt2 = make(seed=1)
+    assert ckpt.load(path, model2, opt2, fresh) == 1
+    return {k: same(saved[k], fresh[k].state_dict()) for k in saved}, saved
 
 
 def test_state_kinds_round_trip_exactly(tmp_path):
-    """OneCycleLR, SequentialLR, a disabled GradScaler, empty containers, tuples, numpy values and
-    non-string keys: each extra's state_dict() after load equals the one saved, types included."""
+    """OneCycleLR, SequentialLR, tuples (nested, empty), lists, torch.Size/dtype/device, bytes, big ints, NaN:
+    each extra's state_dict() after load equals the one saved, types included; the LR goes on where it was.
+    Guards against a scheduler or data position that saves but does not load, or loads changed (a tuple as a
+    list, a dtype as a string)."""
     model, opt = make()
     one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=50)
     train(model, opt, 3, one_cycle)
@@ -106,13 +127,10 @@ def test_state_kinds_round_trip_exactly(tmp_path):
     for _ in range(3):
         opt2.step()
         seq.step()
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    rng = np.random.default_rng(5)
-    odd = Box({"empty": {}, "nested": [[], (1, 2.5, None), {"a": [True, b"x", "s"]}], 3: "int key",
-               "np": np.arange(6, dtype=np.float32).reshape(2, 3), "np_scalar": np.int64(7),
-               "np_rng": np.random.RandomState(3).get_state(), "gen": rng.bit_generator.state,
-               "big": 2**100, "nan": float("nan"), "t": torch.arange(5), "dtype": torch.bfloat16})
-    extra = {"one_cycle": one_cycle, "seq": seq, "scaler": scaler, "odd": odd}
+    odd = Box({"nested": [[1], (1, 2.5, None, ()), {"a": [True, b"x", "s"]}], "tuple": ((1, 2), ("a",)),
+               "big": 2**100, "nan": float("nan"), "t": torch.arange(5), "bf16": torch.ones(2, dtype=torch.bfloat16),
+               "dtype": torch.bfloat16, "size": torch.Size([3, 4]), "device": torch.device("cpu")})
+    extra = {"one_cycle": one_cycle, "seq": seq, "odd": odd}
     saved = {k: v.state_dict() for k, v in extra.items()}
     path = ckpt.save(str(tmp_path), 3, model, opt, extra)
 
@@ -121,54 +139,87 @@ def test_state_kinds_round_trip_exactly(tmp_path):
     opt2_b = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     seq_b = torch.optim.lr_scheduler.SequentialLR(opt2_b, [torch.optim.lr_scheduler.ConstantLR(opt2_b, total_iters=2),
                                                            torch.optim.lr_scheduler.ExponentialLR(opt2_b, 0.9)], [2])
-    extra_b = {"one_cycle": one_cycle_b, "seq": seq_b, "scaler": torch.amp.GradScaler("cpu", enabled=False),
-               "odd": Box({})}  # a fresh object whose state looks nothing like the saved one
+    extra_b = {"one_cycle": one_cycle_b, "seq": seq_b, "odd": Box({})}  # a fresh object, nothing like the saved one
     assert ckpt.load(path, model2, opt_b, extra_b) == 3
     mismatched = [k for k in saved if not same(saved[k], extra_b[k].state_dict())]
-    print(f"\n{len(saved)} extras round-tripped; mismatched: {mismatched}")
+    one_cycle.step(), one_cycle_b.step()
+    print(f"\n{len(saved)} extras round-tripped; mismatched: {mismatched}; next LR {one_cycle.get_last_lr()} vs "
+          f"{one_cycle_b.get_last_lr()} (resumed)")
     assert mismatched == []
     assert one_cycle_b.get_last_lr() == one_cycle.get_last_lr()
 
 
-def test_repeated_values_are_unpickled_once(tmp_path, monkeypatch):
-    """The flattened optimizer state repeats each param_group option per parameter: load() unpickles each
-    distinct value once, and every key still gets its value (a copy of its own)."""
+@DCP_KEYS_BUG
+def test_empty_state_and_non_string_keys_round_trip(tmp_path):
+    """A disabled GradScaler (state_dict() is {}), empty dicts and lists, and dict keys that are int, None, bool,
+    bytes: each comes back exactly. Guards against a checkpoint that saves but never loads (the empty extra's
+    key missing from it) and against state that loads changed (the int keys of an optimizer's state as str)."""
+    extra = {"scaler": torch.amp.GradScaler("cpu", enabled=False),
+             "odd": Box({"empty": {}, "nested": {"x": {}}, "lists": [[], {}], 3: "int key",
+                         "keys": {0: 1.5, None: 2, True: 3, b"k": 4}, "in_list": [{1: 2}]})}
+    fresh = {"scaler": torch.amp.GradScaler("cpu", enabled=False), "odd": Box({})}
+    try:
+        matched, saved = round_trip(tmp_path, extra, fresh)
+    except ckpt.CheckpointError as e:
+        print(f"\nrefused at load: {e}")
+        raise
+    print(f"\nsaved {saved}\nloaded {({k: v.state_dict() for k, v in fresh.items()})}\nexact: {matched}")
+    assert all(matched.values()), matched
+
+
+def test_numpy_values_are_refused_at_save(tmp_path):
+    """numpy arrays and scalars (also as dict keys) are refused by save(), naming the key and the type, with
+    nothing written. Guards against a checkpoint that load() can only restore by unpickling numpy objects
+    (running code from the file), or that fails only at resume time."""
     model, opt = make()
-    train(model, opt, 2)
-    box = Box({"a": "same", "b": "same", "n": [2.5, 2.5, 2.5]})
-    path = ckpt.save(str(tmp_path), 2, model, opt, {"box": box})
-    metadata = ckpt.read_metadata(path)
-    values = [k for k, m in metadata.state_dict_metadata.items() if not hasattr(m, "size")]
-    real_load, calls = torch.load, []
+    cases = {".pos.array": {"pos": {"array": np.arange(6, dtype=np.float32)}},
+             ".scalar": {"scalar": np.int64(7)},
+             "the key": {np.int64(3): 1}}
+    refused = {}
+    for i, (where, state) in enumerate(cases.items()):
+        with pytest.raises(ckpt.CheckpointError) as e:
+            ckpt.save(str(tmp_path / str(i)), 1, model, opt, {"data": Box(state)})
+        refused[where] = str(e.value)
+        print(f"\n{where}: {e.value}")
+        assert nothing_written(tmp_path / str(i))
+    for where, msg in refused.items():
+        assert where in msg and "numpy." in msg and "cannot restore without running code from the checkpoint" in msg
+    assert "numpy.ndarray" in refused[".pos.array"] and "numpy.int64" in refused[".scalar"]
+    assert "extra 'data'" in refused[".pos.array"] and "extra 'data'" in refused[".scalar"]  # the key's: below
 
-    def counting_load(*args, **kwargs):
-        calls.append(1)
-        return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "load", counting_load)
-    model2, opt2, box2 = *make(seed=1), Box({})
-    assert ckpt.load(path, model2, opt2, {"box": box2}) == 2
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    groups2 = [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups]
-    print(f"\n{len(values)} pickled values in the checkpoint, {len(calls)} torch.load calls in load()")
-    assert groups2 == groups and box2.state_dict() == box.state_dict()
-    assert len(values) >= 40 and len(calls) <= len(values) // 3
+@pytest.mark.xfail(strict=True, reason="ckpt.py bug: _walk() checks a dict key with its path alone, without the "
+                   "\"extra 'name': \" that leaf() adds to a refused value")
+def test_refused_dict_key_names_its_extra(tmp_path):
+    """A dict key load() could not restore (a numpy integer) is refused naming the extra, the path and the key,
+    as a refused value is. Guards against a refusal that leaves the user to search every extra for the key."""
+    model, opt = make()
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.save(str(tmp_path), 1, model, opt, {"data": Box({"pos": {np.int64(3): 1}})})
+    print(f"\n{e.value}")
+    assert nothing_written(tmp_path)
+    assert "the key" in str(e.value) and "numpy.int64" in str(e.value)
+    assert "extra 'data': .pos: the key" in str(e.value)
 
 
 def test_unsupported_value_is_refused_at_save(tmp_path):
-    """A value load() could not restore safely is refused by save(), naming the key and type; nothing is written."""
+    """A value load() could not restore safely (a function, an object, a set) is refused by save(), naming the
+    extra, the key and the type; nothing is written. Guards against finding out at resume time."""
     model, opt = make()
-    with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.save(str(tmp_path), 1, model, opt, {"data": Box({"it": {"pos": 3, "f": open}})})
-    print(f"\n{e.value}")
-    assert "extra 'data'" in str(e.value) and ".it.f" in str(e.value) and "builtin_function_or_method" in str(e.value)
-    assert ckpt.committed_steps(str(tmp_path)) == []
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-step")]
+    cases = {".it.f": ({"it": {"pos": 3, "f": open}}, "builtin_function_or_method"),
+             ".obj": ({"obj": Box()}, "Box"),
+             ".seen": ({"seen": {1, 2}}, "builtins.set")}
+    for i, (where, (state, kind)) in enumerate(cases.items()):
+        with pytest.raises(ckpt.CheckpointError) as e:
+            ckpt.save(str(tmp_path / str(i)), 1, model, opt, {"data": Box(state)})
+        print(f"\n{where}: {e.value}")
+        assert "extra 'data'" in str(e.value) and where in str(e.value) and kind in str(e.value)
+        assert nothing_written(tmp_path / str(i))
 
 
 def test_params_without_optimizer_state_stay_without(tmp_path):
-    """A parameter that never had a gradient has no optimizer state after a resume, as in the
-    uninterrupted run; the others are at the saved step."""
+    """A parameter that never had a gradient has no optimizer state after a resume, as in the uninterrupted run;
+    the others are at the saved step. Guards against a resume that invents zero moments (a different run)."""
     model, opt = make()
     train(model, opt, 2)
     unused = set(model.unused.parameters())
@@ -184,7 +235,8 @@ def test_params_without_optimizer_state_stay_without(tmp_path):
 
 
 def test_parameters_at_different_steps(tmp_path):
-    """A branch used only on some steps leaves its parameters at an older optimizer step; save and load accept it."""
+    """A branch used only on some steps leaves its parameters at an older optimizer step; save and load accept it
+    and keep each parameter's step. Guards against a resume refused, or every step reset to one value."""
     model, opt = make()
     train(model, opt, 2)
     model(torch.randn(2, 8), branch=True).sum().backward()  # only the once-used branch steps now
@@ -203,50 +255,35 @@ def test_parameters_at_different_steps(tmp_path):
 
 
 def test_weights_only_load_and_optimizer_mismatch(tmp_path):
-    """optimizer=None restores the weights; an optimizer of another kind is refused with a hint."""
+    """optimizer=None restores the weights exactly; an optimizer of another kind is refused with the hint to pass
+    optimizer=None; a checkpoint saved without optimizer state, loaded with one, says so. Guards against an
+    evaluation job that cannot load a training checkpoint, and a resume that silently drops the moments."""
     model, opt = make()
     train(model, opt, 2)
-    path = ckpt.save(str(tmp_path), 2, model, opt)
+    path = ckpt.save(str(tmp_path / "a"), 2, model, opt)
     model2, _ = make(seed=1)
     assert ckpt.load(path, model2, None) == 2
     diff = max((a.full_tensor() - b.full_tensor()).abs().max().item()
                for a, b in zip(model.parameters(), model2.parameters()))
-    print(f"\nweights-only load: max |diff| = {diff:.3e}")
-    assert diff == 0
     model3, _ = make(seed=1)
     sgd = torch.optim.SGD(model3.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(ckpt.CheckpointError, match="optimizer=None"):
+    with pytest.raises(ckpt.CheckpointError) as kind:
         ckpt.load(path, model3, sgd)
-
-
-def test_fingerprint_sees_position_and_ignores_layout():
-    """The fingerprint is the same however a tensor is cut into shards, and changes when two rows
-    swap or a shard lands at the wrong offset (a plain sum would not see either)."""
-    t = torch.randn(6, 5)
-    whole = ckpt._weighted_sum(t, (0, 0))
-    rows = (ckpt._weighted_sum(t[:4], (0, 0)) + ckpt._weighted_sum(t[4:], (4, 0))) % ckpt._P
-    cols = (ckpt._weighted_sum(t[:, :2], (0, 0)) + ckpt._weighted_sum(t[:, 2:], (0, 2))) % ckpt._P
-    swapped = ckpt._weighted_sum(t[[1, 0, 2, 3, 4, 5]], (0, 0))
-    shifted = (ckpt._weighted_sum(t[:4], (2, 0)) + ckpt._weighted_sum(t[4:], (0, 0))) % ckpt._P
-    flipped = t.clone()
-    flipped.view(torch.int32)[3, 3] ^= 1
-    print(f"\nwhole {whole}, by rows {rows}, by columns {cols}; swapped rows {swapped}, misplaced shard {shifted}, "
-          f"one bit {ckpt._weighted_sum(flipped, (0, 0))}")
-    assert whole == rows == cols
-    assert len({whole, swapped, shifted, ckpt._weighted_sum(flipped, (0, 0))}) == 4
-    # The definition, element by element: bits * (1 + sum of global coordinates), modulo the prime.
-    bits = t.view(torch.int32).to(torch.int64)
-    rows, cols = torch.arange(6)[:, None] + 10, torch.arange(5)[None, :] + 20
-    assert ckpt._weighted_sum(t, (10, 20)) == int((bits * (1 + rows + cols)).sum() % ckpt._P)
-    big = torch.randn(3_000_000)  # several blocks of the chunked sum, 1-D
-    assert ckpt._weighted_sum(big, (0,)) == (ckpt._weighted_sum(big[:1_234_567], (0,)) +
-                                             ckpt._weighted_sum(big[1_234_567:], (1_234_567,))) % ckpt._P
+    bare = ckpt.save(str(tmp_path / "b"), 2, model, None)
+    with pytest.raises(ckpt.CheckpointError) as without:
+        ckpt.load(bare, model3, torch.optim.AdamW(model3.parameters()))
+    print(f"\nweights-only load: max |diff| = {diff:.3e}\nSGD into AdamW's: {str(kind.value)[-300:]}\n"
+          f"saved without optimizer: {without.value}")
+    assert diff == 0
+    assert "does not match the model/optimizer" in str(kind.value)
+    assert "(to load the weights alone, pass optimizer=None)" in str(kind.value)
+    assert "was saved without optimizer state: load it with optimizer=None" in str(without.value)
 
 
 def test_misuse_is_named_with_its_fix(tmp_path):
-    """Two mistakes a new user makes, each refused with a message that says what to do: an LR scheduler
-    built after load() (the optimizer lacks the 'initial_lr' the checkpoint has), and a plain value
-    as an extra (nothing to restore it in place)."""
+    """Two mistakes a new user makes, each refused with a message that says what to do: an LR scheduler built
+    after load() (the optimizer lacks the 'initial_lr' the checkpoint has), and a plain dict as an extra (nothing
+    to restore it in place; refused at save, nothing written)."""
     model, opt = make()
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)  # adds initial_lr to the param_groups
     train(model, opt, 2, sched)
@@ -256,105 +293,217 @@ def test_misuse_is_named_with_its_fix(tmp_path):
         ckpt.load(str(tmp_path / "a"), fresh, fresh_opt)
     with pytest.raises(ckpt.CheckpointError) as plain:
         ckpt.save(str(tmp_path / "b"), 2, model, opt, {"position": {"epoch": 3}})
-    print(f"\nscheduler after load: {str(late.value)[-160:]}\nplain extra: {plain.value}")
+    print(f"\nscheduler after load: {str(late.value)[-200:]}\nplain extra: {plain.value}")
     assert "initial_lr" in str(late.value) and "create schedulers before load()" in str(late.value)
-    assert "extra 'position' is a dict" in str(plain.value) and "state_dict()" in str(plain.value)
-    assert ckpt.committed_steps(str(tmp_path / "b")) == []
+    assert "extra 'position' is a dict" in str(plain.value)
+    assert "which has no state_dict() and load_state_dict()" in str(plain.value)
+    assert nothing_written(tmp_path / "b")
 
 
-def test_file_systems_that_cannot_map_files(tmp_path, monkeypatch):
-    """save() checksums the blocks it has just written through a mapping; where mmap fails (some FUSE
-    mounts), it reads them instead: the same checksums, a checkpoint that loads, a damaged one refused."""
-    model, opt = make()
-    train(model, opt, 2)
-    mapped = ckpt.save(str(tmp_path / "mapped"), 2, model, opt)
-
-    refused = []
-
-    def no_mmap(*args, **kwargs):
-        refused.append(args[1:])
-        raise OSError(19, "No such device")  # what mmap says on a file system without it
-
-    monkeypatch.setattr(ckpt.mmap, "mmap", no_mmap)
-    path = ckpt.save(str(tmp_path / "read"), 2, model, opt)
-    files = ckpt.read_manifest(path)["files"]
-    by_read = {n: ckpt._checksum(os.path.join(path, n)) for n in files}
-    assert {n: f[ckpt.CHECKSUM] for n, f in files.items()} == by_read
-    data_files = [n for n in files if n.endswith(".distcp")]  # .metadata holds the save's id: it differs
-    assert [ckpt.read_manifest(mapped)["files"][n][ckpt.CHECKSUM] for n in data_files] == \
-        [by_read[n] for n in data_files]
-    fresh, fresh_opt = make(seed=1)
-    assert ckpt.load(path, fresh, fresh_opt) == 2
-    diff = max((a.full_tensor() - b.full_tensor()).abs().max().item()
-               for a, b in zip(model.parameters(), fresh.parameters()))
-    data = data_files[0]
-    with open(os.path.join(path, data), "r+b") as f:
-        f.seek(os.path.getsize(os.path.join(path, data)) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(ckpt.CheckpointError, match="checksum") as damaged:
-        ckpt.load(path, fresh, fresh_opt)
-    print(f"\nwithout mmap ({len(refused)} blocks read instead): {len(files)} files, checksums as by read(); "
-          f"max |diff| after load = {diff:.3e}; damaged: {str(damaged.value)[:120]}")
-    assert diff == 0 and len(refused) == 2  # the data block and .metadata; load() reads, it does not map
+# ------------------------------------------------------------------------------ one 2-rank job, many scenarios
 
 
-def test_blocks_read_ahead_and_checked_in_order(tmp_path, monkeypatch):
-    """load() reads the blocks after the current one in a thread and CRCs them in another: with blocks
-    of one page (so that a small model spans ~100) and reads delayed at random, every value arrives
-    exactly, a flipped byte far into the file is refused at its block, and no thread outlives the load."""
-    import mmap
-    import random
-    import threading
-    import time
+@pytest.fixture(scope="module", autouse=True)
+def job_launch(request, tmp_path_factory):
+    """Starts tests/state_job.py in a thread as the module starts (if a selected test needs it): its start-up
+    (torchrun, then each rank, imports torch) overlaps the single-process tests."""
+    wanted = any("job" in item.fixturenames for item in request.session.items if item.module is request.module)
+    if not wanted:
+        yield None
+        return
+    d, launched = tmp_path_factory.mktemp("state_job"), {}
 
-    monkeypatch.setattr(ckpt, "BLOCK", mmap.ALLOCATIONGRANULARITY)  # part of the format: same for save and load
-    read_block, checked = ckpt._read_block, []
+    def launch():
+        t0 = time.monotonic()
+        try:
+            launched["rc"], launched["out"] = torchrun([str(d / "work"), str(d / "out")], script=JOB, check=False,
+                                                       timeout=240)
+        except AssertionError as e:  # the harness killed it at its timeout
+            launched["rc"], launched["out"] = None, str(e)
+        launched["secs"] = time.monotonic() - t0
 
-    def slow_read(f, b, buf):
-        time.sleep(random.random() * 0.002)  # the CRC thread must wait for its block, whatever the order
-        return read_block(f, b, buf)
+    thread = threading.Thread(target=launch, name="state-job", daemon=True)
+    thread.start()
+    yield {"dir": d, "thread": thread, "launched": launched}
+    thread.join(timeout=300)
 
-    def crc_when_read(read, buf):
-        checked.append(1)
-        return crc(read, buf)
 
-    crc = ckpt._crc_when_read
-    monkeypatch.setattr(ckpt, "_read_block", slow_read)
-    monkeypatch.setattr(ckpt, "_crc_when_read", crc_when_read)
+@pytest.fixture(scope="module")
+def job(job_launch):
+    """tests/state_job.py once, at world size 2; {scenario: [rank 0's figures, rank 1's figures]}."""
+    job_launch["thread"].join(timeout=300)  # the harness's own timeout (240 s) ends it first
+    d, launched = job_launch["dir"], job_launch["launched"]
+    assert "out" in launched, "tests/state_job.py did not finish within 300 s"
+    rc, out = launched["rc"], launched["out"]
+    line = next((line for line in out.splitlines() if line.startswith("RESULT ")), None)
+    assert line, f"no RESULT line (exit {rc}):\n{out[-4000:]}"
+    result = json.loads(line[len("RESULT "):])
+    secs = {name: [r.get("secs") for r in ranks] for name, ranks in result.items() if isinstance(ranks, list)}
+    print(f"\nstate_job.py: exit {rc} after {launched['secs']:.1f} s (launched as the module started); "
+          f"{result.get('timing')}; seconds per scenario {secs}")
+    assert "hung" not in result, f"scenario {result['hung']} hung:\n{out[-4000:]}"
+    assert result.get("done"), out[-4000:]
+    # Every scenario's figures are in the RESULT line, printed before the teardown: an exit status other than 0
+    # after it is torch's gloo teardown abort (README "A clean exit"), reported here, not a scenario failing.
+    if rc != 0:
+        print(f"state_job.py exited {rc} after printing its RESULT:\n{out[-2000:]}")
+    return dict(result, out_dir=str(d / "out"))
 
-    def build(seed):
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 8))
-        fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    model, opt = build(0)
-    for _ in range(2):
-        model(torch.randn(4, 128)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    path = ckpt.save(str(tmp_path / "ckpt"), 2, model, opt)
-    fresh, fresh_opt = build(1)
-    assert ckpt.load(path, fresh, fresh_opt) == 2
-    diff = max((a.full_tensor() - b.full_tensor()).abs().max().item()
-               for a, b in zip(model.parameters(), fresh.parameters()))
-    moments = max((opt.state[a][k].full_tensor() - fresh_opt.state[b][k].full_tensor()).abs().max().item()
-                  for a, b in zip(model.parameters(), fresh.parameters()) for k in ("exp_avg", "exp_avg_sq"))
-    data = next(n for n in ckpt.read_manifest(path)["files"] if n.endswith(".distcp"))
-    blocks = len(ckpt.read_manifest(path)["files"][data][ckpt.CHECKSUM])
-    ahead = len(checked)
+def scenario(job, name):
+    """Both ranks' figures of one scenario; a scenario that raised unexpectedly fails here, by name."""
+    ranks = job[name]
+    for r, res in enumerate(ranks):
+        assert "unexpected" not in res, f"scenario {name} on rank {r}: {res['unexpected']}\n{res.get('trace', '')}"
+    return ranks
 
-    at = os.path.getsize(os.path.join(path, data)) * 3 // 4
-    with open(os.path.join(path, data), "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x01]))
-    with pytest.raises(ckpt.CheckpointError, match=f"checksum at block {at // ckpt.BLOCK} ") as damaged:
-        ckpt.load(path, fresh, fresh_opt)
-    left = [t.name for t in threading.enumerate() if t.name.startswith(("ckpt-read", "ckpt-crc"))]
-    print(f"\n{blocks} blocks of {ckpt.BLOCK} B, {ahead} read ahead; max |diff| params {diff:.3e}, "
-          f"Adam moments {moments:.3e}; byte {at} flipped: {str(damaged.value)[:140]}; threads left: {left}")
-    assert diff == 0 and moments == 0 and blocks > 50 and ahead > blocks // 2 and not left
+
+def refused_everywhere(ranks, *phrases):
+    """Every rank raised CheckpointError with each phrase in its message; returns rank 0's message."""
+    for r, res in enumerate(ranks):
+        assert res["raised"] == "CheckpointError", f"rank {r}: {res['raised']}: {res['msg']}"
+        for phrase in phrases:
+            assert phrase in res["msg"], f"rank {r}: {phrase!r} not in {res['msg']}"
+    return ranks[0]["msg"]
+
+
+def test_several_optimizers_resume_bit_exact(job):
+    """optimizer=[Muon on the weight matrices, AdamW on the rest]: a fresh model and optimizers loaded from the
+    checkpoint hold the saved state (each optimizer its own keys) and continue N steps with the same losses, to
+    the bit. Guards against the second optimizer's state dropped, or given to the first's parameters."""
+    for r, res in enumerate(scenario(job, "multi_opt")):
+        print(f"\nrank {r}: loaded step {res['loaded']}; state kinds {res['kinds']}; max |d state| after load "
+              f"{res['moments_diff_after_load']}; max |dloss| over {len(res['losses'])} steps {res['dloss']}; "
+              f"max |d weights| at the end {res['weights_diff_end']}")
+        assert res["loaded"] == state_job.N
+        assert res["kinds"] == {"Muon": ["momentum_buffer"], "AdamW": ["exp_avg", "exp_avg_sq", "step"]}
+        assert res["state_keys"] == res["saved_keys"] and len(res["saved_keys"]) == 14
+        assert res["moments_diff_after_load"] == 0
+        assert len(res["resumed"]) == state_job.N and res["dloss"] == 0 and res["weights_diff_end"] == 0
+
+
+def test_several_optimizers_load_at_world_size_1(job):
+    """The [Muon, AdamW] checkpoint written by 2 ranks loads here at world size 1: every parameter, momentum
+    buffer and Adam moment equals the full tensor saved, exactly. Guards against a multi-optimizer checkpoint
+    that cannot be resharded (a smaller resume, an evaluation job)."""
+    ref = torch.load(os.path.join(job["out_dir"], "multi_opt_ref.pt"), weights_only=True)
+    model = state_job.build(seed=1)
+    opts = state_job.muon_adamw(model)
+    assert ckpt.load(job["multi_opt"][0]["path"], model, opts, rng=False) == state_job.N
+    names = {p: n for n, p in model.named_parameters()}
+    state = {f"{names[p]}.{k}": v for opt in opts for p, s in opt.state.items() for k, v in s.items()}
+    params = {n: p for n, p in model.named_parameters()}
+    d_state = {k: (state_job.full(state[k]) - ref["state"][k]).abs().max().item() for k in sorted(ref["state"])}
+    d_params = {n: (state_job.full(params[n]) - ref["params"][n]).abs().max().item() for n in ref["params"]}
+    print(f"\nworld size 1: {len(state)} state tensors, {len(params)} parameters; max |diff| state "
+          f"{max(d_state.values())}, parameters {max(d_params.values())}; mesh {model.a.weight.device_mesh}")
+    assert sorted(state) == sorted(ref["state"])
+    assert max(d_state.values()) == 0 and max(d_params.values()) == 0
+
+
+def test_lazy_ema_comes_back_as_dtensors(job):
+    """An EMA extra whose shadow dict is built on its first update (empty when load() runs): after load each
+    shadow value is a DTensor with its parameter's mesh, placements and shape, equal to what was saved; training
+    and the EMA continue bit-exact. Guards against an EMA restored as plain tensors (wrong shard or a 'mixed
+    torch.Tensor and DTensor' error), or not restored because the live object held nothing to load into."""
+    for r, res in enumerate(scenario(job, "lazy_ema")):
+        kinds = {(v["type"], v["placements"]) for v in res["layouts"].values()}
+        print(f"\nrank {r}: empty at load {res['empty_at_load']}; shadow after load {kinds}; params "
+              f"{set(res['param_placements'].values())}; max |diff| vs saved {res['vs_saved']}; max |dloss| "
+              f"{res['dloss']}; max |d EMA| at the end {res['ema_diff_end']}; decay/updates {res['meta']}")
+        assert res["loaded"] == state_job.N and res["empty_at_load"]
+        assert sorted(res["layouts"]) == sorted(res["param_placements"]) and all(res["same_layout"].values())
+        assert all(v["type"] == "DTensor" for v in res["layouts"].values())
+        assert res["vs_saved"] == 0 and res["meta"] == {"decay": 0.9, "updates": state_job.N}
+        assert res["dloss"] == 0 and res["ema_diff_end"] == 0
+
+
+@DCP_KEYS_BUG
+def test_optimizer_in_extra_before_its_first_step(job):
+    """A second optimizer passed as an entry of extra, not yet stepped (empty state) when load() runs: its
+    exp_avg/exp_avg_sq come back as DTensors placed like their parameters, keyed by the parameters, and the next
+    steps run and match the uninterrupted run bit-exact. Guards against moments restored as plain tensors ('mixed
+    torch.Tensor and DTensor' at the next step) or not mapped to the parameters (silently restarted from zero)."""
+    for r, res in enumerate(scenario(job, "optimizer_extra")):
+        kinds = {k.rsplit(".", 1)[1]: v["type"] for k, v in res["types"].items()}
+        print(f"\nrank {r}: empty at load {res['empty_at_load']}; unmapped state keys {res['unmapped_keys']}; "
+              f"params with state {res['params_with_state']}; types {kinds}; next step: {res['step_error']}; "
+              f"max |dloss| {res['dloss']}")
+        assert res["loaded"] == state_job.N and res["empty_at_load"]
+        assert res["unmapped_keys"] == [] and res["params_with_state"] == ["b.bias", "b.weight", "norm.bias",
+                                                                           "norm.weight"]
+        assert kinds == {"exp_avg": "DTensor", "exp_avg_sq": "DTensor", "step": "Tensor"}
+        assert all(res["placed_like_param"].values()) and len(res["placed_like_param"]) == 8
+        assert res["step_error"] is None and res["dloss"] == 0
+
+
+def test_extra_mixing_dtensors_and_plain_values(job):
+    """An extra holding DTensors (in a dict, a list, a tuple), plain tensors and a value that differs per rank:
+    stored per rank, it comes back exactly, each leaf of the type, placements, dtype and device it was, each rank
+    its own value. Guards against DTensors flattened to plain tensors, plain ones sharded, or one rank's value
+    given to every rank."""
+    for r, res in enumerate(scenario(job, "mixed_extra")):
+        leaves = {k: (v["loaded"]["type"], v["loaded"]["placements"], v["diff"]) for k, v in res["leaves"].items()}
+        print(f"\nrank {r}: manifest {res['manifest_entry']}; leaves {leaves}; rank value {res['rank_value']}; "
+              f"problems {res['problems']}")
+        assert res["loaded"] == 1 and res["problems"] == [] and res["rank_value"] == r
+        assert res["manifest_entry"]["per_rank"] is True
+        assert sorted(res["manifest_entry"]["like"]) == [".dt", ".nested.0", ".tup.0"]
+        assert [k for k, v in leaves.items() if v[0] == "DTensor"] == [".dt", ".nested.0", ".tup.0"]
+        assert len(leaves) == 6 and all(v[2] == 0 for v in leaves.values())
+
+
+def test_dtensor_laid_out_like_no_parameter_is_refused(job):
+    """A DTensor in an extra laid out like no model parameter (Replicate() on the mesh; Shard(0) of another
+    shape) is refused by save() on every rank, naming the extra and the key; nothing is written. Guards against a
+    checkpoint whose extra load() cannot place."""
+    res = scenario(job, "unplaceable")
+    for case in ("replicated", "reshaped"):
+        per_case = [r[case] for r in res]
+        msg = refused_everywhere(per_case, "save() failed on 2 rank(s)", f"extra '{case}': .w is a DTensor",
+                                 "laid out like no parameter")
+        print(f"\n{case}: {msg[:260]}; root after: {[r['listing'] for r in per_case]}")
+        assert all(r["listing"] == [] and r["committed"] == [] for r in per_case)
+
+
+def test_optimizer_state_that_cannot_be_flattened_is_refused(job):
+    """SGD(momentum=0.9) holding {'momentum_buffer': None} for a parameter (second in optimizer=[adamw, sgd]), and
+    LBFGS (lists of past directions): save() refuses on every rank before anything is written, naming the
+    optimizer's position and class, the parameter and the state key. Guards against a checkpoint that drops that
+    state, or a save that fails inside DCP with a message that names nothing."""
+    res = scenario(job, "optimizer_refusals")
+    sgd = refused_everywhere([r["sgd"] for r in res], "optimizer 1 (SGD): state 'momentum_buffer' of parameter "
+                             "b.weight is a NoneType", "only tensors, numbers and dicts")
+    lbfgs = refused_everywhere([r["lbfgs"] for r in res], "optimizer 0 (LBFGS): state 'old_dirs' of parameter "
+                               "a.weight is a list", "only tensors, numbers and dicts")
+    print(f"\nSGD: {sgd[:230]}\nLBFGS: {lbfgs[:230]}\nLBFGS state: {res[0]['lbfgs']['state_types']}")
+    assert all(r["lbfgs"]["step_error"] is None for r in res)
+    assert all(r[k]["listing"] == [] for r in res for k in ("sgd", "lbfgs"))
+
+
+def test_model_of_another_dtype_is_refused(job):
+    """A float32 checkpoint loaded (weights only) into the same model cast to bf16 is refused on every rank,
+    naming a key and both dtypes, and leaves the weights as they were. Guards against a silent conversion, and
+    against the refusal reading like damage ('differ from what was saved')."""
+    res = scenario(job, "dtype")
+    msg = refused_everywhere(res, "of another dtype or shape",
+                             "model.a.weight: torch.float32 (16, 8) saved, torch.bfloat16 (16, 8) here")
+    print(f"\n{msg[:330]}\nweights changed by the refused load: {[r['weights_changed'] for r in res]}")
+    assert all("differ from what was saved" not in r["msg"] for r in res)
+    assert all(r["dtypes"] == ["torch.bfloat16"] and r["weights_changed"] == 0 for r in res)
+
+
+def test_save_of_the_loaded_step_and_of_an_older_one(job):
+    """After load() of step 3, save(3) (sync and async) writes nothing, logs 'nothing to save' and returns the
+    step's path; save(2) is refused on every rank ('is before step'), writing nothing. Guards against a resumed
+    job rewriting the checkpoint it resumed from, or rewinding the root's history without a rollback."""
+    res = scenario(job, "same_and_older_step")
+    for r, x in enumerate(res):
+        print(f"\nrank {r}: save(3): {x['same']['raised']} -> {x['same'].get('value')}; async: {x['same_async']}; "
+              f"log {x['log']}; save(2): {x['older']['msg'][:140]}; files unchanged {x['unchanged']}")
+        assert x["loaded"] == 3
+        assert x["same"]["raised"] is None and x["same"]["value"] == x["path3"]
+        assert x["same_async"] == {"done": True, "path": x["path3"]}
+        assert sum("nothing to save" in line for line in x["log"]) == 2
+        assert x["unchanged"] and x["dirs"] == [ckpt.OWNER, "step-00000002", "step-00000003"]
+    refused_everywhere([x["older"] for x in res], "is before step 3")
