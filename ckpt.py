@@ -281,7 +281,10 @@ def _collect(model, optimizers, extra, rng):  # step 1
             like[name][path] = layouts[_layout(value)]
             return None  # its place in the skeleton
 
-        skeletons[name] = _walk(obj.state_dict(), leaf)
+        try:
+            skeletons[name] = _walk(obj.state_dict(), leaf)
+        except CheckpointError as e:  # a refused key: name its extra too
+            raise CheckpointError(e if str(e).startswith("extra ") else f"extra {name!r}: {e}") from None
     return Collected(flat, skeletons, like, _optimizer_summary(optimizers, _param_names(model, model_sd)))
 
 def _walk(value, leaf, path=""):
@@ -298,8 +301,8 @@ def _walk(value, leaf, path=""):
 def _restorable(path, value):
     if not isinstance(value, PLAIN):
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
-        raise CheckpointError(f"{path} is a {kind}: load() cannot restore it without running code from the checkpoint; "
-                              "convert it in state_dict(), and back in load_state_dict()")
+        raise CheckpointError(f"{path} is a {kind}, which load() cannot restore without running code from the "
+                              "checkpoint: convert it in state_dict(), and back in load_state_dict()")
     return value
 
 def _layout(t):
@@ -326,7 +329,8 @@ def _extras(extra, rng):  # the caller's extras and, with rng, the random genera
         if not isinstance(name, str) or not name or "." in name or name == "rng":
             raise CheckpointError(f"extra {name!r}: a name is part of the keys: a str without '.', and not 'rng'")
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):  # restored in place
-            raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, without state_dict()/load_state_dict()")
+            raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, which has no state_dict() and "
+                                  "load_state_dict(): wrap it in an object that has both")
     if not rng:
         return dict(extra or {})
     generators = {"rng.torch": _generator(torch.get_rng_state, torch.set_rng_state),
@@ -350,7 +354,9 @@ def _write(state, tmp, group):
     """Step 4: DCP writes this rank's files. When it returns, every rank's files and .metadata are written, and
     this rank CRCs its share of them, from the page cache, rather than inside DCP's stream."""
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
-    planner = dcp.DefaultSavePlanner(flatten_state_dict=False)  # our keys are flat already: load() asks for them
+    # Our keys are flat already, and an extra's skeleton is one value: DCP must not rebuild it (flattening would
+    # turn its keys into str and drop its empty dicts). load() asks for these keys.
+    planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
     paths = {name: os.path.join(tmp, name) for name in _share(os.listdir(tmp))}
     return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
@@ -647,7 +653,7 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     """DCP's load planner, unpickling values with torch.load(weights_only=True), plain tensors onto the CPU. Our
     keys are flat already (flatten_state_dict=False): each value lands in the caller's dict under its key."""
     def __init__(self):
-        super().__init__(flatten_state_dict=False)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def load_bytes(self, read_item, value):
         loaded = torch.load(value, weights_only=True, map_location="cpu")

@@ -30,11 +30,6 @@ from tests.harness import REPO, torchrun
 np = pytest.importorskip("numpy")  # numpy is in requirements.txt (torch's object collectives need it)
 
 JOB = os.path.join(REPO, "tests", "state_job.py")
-# ckpt.py's DCP writer rebuilds each extra's state through DCP's traverse_state_dict (DefaultSavePlanner with its
-# default flatten_sharded_tensors=True), which turns every dict key into str(key) and drops empty dicts. Remove
-# these markers once ckpt.py passes flatten_sharded_tensors=False (pytest --runxfail shows the tests then pass).
-DCP_KEYS_BUG = pytest.mark.xfail(strict=True, reason="ckpt.py bug: an extra's non-str dict keys come back as str "
-                                 "and its empty dicts vanish (DCP's DefaultSavePlanner, flatten_sharded_tensors)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,7 +144,6 @@ def test_state_kinds_round_trip_exactly(tmp_path):
     assert one_cycle_b.get_last_lr() == one_cycle.get_last_lr()
 
 
-@DCP_KEYS_BUG
 def test_empty_state_and_non_string_keys_round_trip(tmp_path):
     """A disabled GradScaler (state_dict() is {}), empty dicts and lists, and dict keys that are int, None, bool,
     bytes: each comes back exactly. Guards against a checkpoint that saves but never loads (the empty extra's
@@ -188,8 +182,6 @@ def test_numpy_values_are_refused_at_save(tmp_path):
     assert "extra 'data'" in refused[".pos.array"] and "extra 'data'" in refused[".scalar"]  # the key's: below
 
 
-@pytest.mark.xfail(strict=True, reason="ckpt.py bug: _walk() checks a dict key with its path alone, without the "
-                   "\"extra 'name': \" that leaf() adds to a refused value")
 def test_refused_dict_key_names_its_extra(tmp_path):
     """A dict key load() could not restore (a numpy integer) is refused naming the extra, the path and the key,
     as a refused value is. Guards against a refusal that leaves the user to search every extra for the key."""
@@ -418,7 +410,6 @@ def test_lazy_ema_comes_back_as_dtensors(job):
         assert res["dloss"] == 0 and res["ema_diff_end"] == 0
 
 
-@DCP_KEYS_BUG
 def test_optimizer_in_extra_before_its_first_step(job):
     """A second optimizer passed as an entry of extra, not yet stepped (empty state) when load() runs: its
     exp_avg/exp_avg_sq come back as DTensors placed like their parameters, keyed by the parameters, and the next
