@@ -6,8 +6,8 @@
     ckpt.save("checkpoints", step, model, optimizer, extra, keep=3)
     ckpt.close()                                         # before dist.destroy_process_group()
 
-Every function is collective: call it on every rank with the same arguments. Each rank writes and reads its own
-shards. A failure on any rank is raised on every rank as CheckpointError, naming the rank, file or key.
+save(), load(), check_root() and close() are collective: call them on every rank with the same arguments. Each
+rank writes and reads its own shards. A failure on any rank is raised on every rank as CheckpointError.
 
 Save (the code carries the same numbers):
   1. Collect model and optimizer state by parameter name (get_state_dict), and each extra's state_dict(): its
@@ -86,8 +86,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
 
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
+Claim = collections.namedtuple("Claim", "run stop refresher")  # rank 0's claim on a root, and its heartbeat
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
-_claims = {}  # root -> (this run's id, the event that stops its refresher, the refresher thread); rank 0
+_claims = {}  # root -> this run's Claim on it (rank 0)
 _base = {}  # root -> the step this run continues from there (loaded or last committed)
 _in_flight = []  # the async save being written, at most one
 _stagers = []  # the async saves' host buffers, kept until close()
@@ -102,23 +103,21 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     """
     wait_pending()  # one save in flight at a time: two would race for the root
     group, rank, world = checkpoint_group(timeout), dist.get_rank(), dist.get_world_size()
-    root, optimizers = os.path.abspath(root), _as_list(optimizer)
+    root, optimizers = os.path.realpath(root), _as_list(optimizer)
     # 1. Collect (user code runs here: the extras' state_dict()).
-    collected = _attempt(_collect, model, optimizers, extra, rng)
+    collected = _attempt(_collect, model, optimizers, extra, rng, meta)
     state = collected.value
-    # 2. Agree. DCP stores one copy of a value that is not a DTensor: every rank must hold the same.
+    # 2. Agree. DCP stores one copy of a value that is not a DTensor, so every rank must hold the same; an extra
+    # whose state differs between ranks is stored per rank instead.
     once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
             "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
-            "buffers, optimizer steps and options (stored once: synchronize them)": _digest(once)}
-    _check_all(collected.error, group, "save()", args)
+            "values DCP stores once (buffers, optimizer steps and options: make them equal)": _digest(once)}
+    digests = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()} if state else {}
+    every = _check_all(collected.error, group, "save()", args, digests)
+    per_rank = {name for name in digests if any(d[name] != digests[name] for d in every)}
     if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
-    # An extra whose state differs between ranks is stored per rank: DCP would keep one rank's copy.
-    digests = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()}
-    every = [None] * world
-    _collective("save: compare the extras", dist.all_gather_object, every, digests, group=group)
-    per_rank = {name for name in digests if any(d[name] != digests[name] for d in every)}
     base = _base.get(root)
     if base is not None and step < base:
         raise CheckpointError(f"save(): step {step} is before step {base}, which this run loaded or committed in "
@@ -131,9 +130,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
 
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
     tmp = _rank0(group, f"save: prepare step {step} in {root}", lambda _: _prepare(root, step))
-    # A rank that cannot see it has a node-local root: the shards would be scattered over several disks.
-    unseen = None if os.path.isdir(tmp) else f"cannot see {tmp}: the root must be on storage shared by every rank"
-    _check_all(unseen, group, "save: shared storage check")
+    _check_shared(group, tmp)
     extras = {name: {"per_rank": name in per_rank, "like": like} for name, like in state.like.items()}
     manifest = {"format": FORMAT, "step": step, "world_size": world, "torch_version": torch.__version__,
                 "meta": meta or {}, "extra": extras, "optimizer": state.optimizer if optimizers else None}
@@ -145,9 +142,9 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         pending.job.set_result(_attempt(_write, state.flat, tmp, group))
         return pending.wait()
     if not _stagers:  # kept until close(): from the second async save on, it copies into memory already allocated
-        _stagers.append(DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                     use_shared_memory=False, use_async_staging=False,
-                                                     use_non_blocking_copy=False)))
+        options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                 use_async_staging=False, use_non_blocking_copy=False)  # a plain, finished copy
+        _stagers.append(DefaultStager(options))
     # Copied before anything collective starts: a rank that cannot (out of host memory) fails every rank here.
     staged = _attempt(_stagers[0].stage, state.flat)
     _check_all(staged.error, group, "save: copy the state to host memory")
@@ -166,7 +163,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     a rollback: the next save() continues from it.
     """
     wait_pending()  # a background write uses the same group
-    group, path, optimizers = checkpoint_group(timeout), os.path.abspath(path), _as_list(optimizer)
+    group, path, optimizers = checkpoint_group(timeout), os.path.realpath(path), _as_list(optimizer)
     # 1. Agree on the arguments first: a rank in save() and another in load() meet here, not in a hang.
     args = {"path": path, "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
             "rng": rng, "verify": verify}
@@ -175,14 +172,12 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     ckpt_dir, manifest = _rank0(group, f"load: find a checkpoint in {path}", lambda _: _choose(path))
     if ckpt_dir is None:
         return None
-    try:
-        # 3. Verify, each rank its share of the files, before anything is read.
-        errors = verify_files(ckpt_dir, manifest, _share(manifest["files"]), checksums=verify)
-        _check_all("; ".join(errors) or None, group, f"load: verify {ckpt_dir}")
-        metadata = _attempt(read_metadata, ckpt_dir)
-        _check_all(metadata.error, group, f"load: read {ckpt_dir}")
-    except CheckpointError as e:
-        raise _refusal(ckpt_dir, e) from e
+    # 3. Verify, each rank its share of the files, before anything is read.
+    errors = verify_files(ckpt_dir, manifest, _share(manifest["files"]), checksums=verify)
+    metadata = _attempt(read_metadata, ckpt_dir)
+    damage = "; ".join(errors) or metadata.error
+    _check_all(damage and f"refusing to load a damaged checkpoint: {damage}.{_instead(ckpt_dir)}", group,
+               f"load: verify {ckpt_dir}")
     # 4. Match the checkpoint to the model, the optimizers and the extras.
     plan = _attempt(_plan, ckpt_dir, manifest, metadata.value.state_dict_metadata, model, optimizers, extra, rng)
     _check_all(plan.error, group, f"load: match {ckpt_dir} to the model")
@@ -190,8 +185,8 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     try:
         reader = SafeReader(ckpt_dir, metadata.value)
         dcp.load(plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-    except dcp.CheckpointException as e:  # DCP raises every rank's failure on every rank
-        raise _refusal(ckpt_dir, CheckpointError(f"reading {ckpt_dir} failed: {e}")) from e
+    except FAILURES as e:  # DCP raises every rank's failure on every rank
+        raise CheckpointError(f"reading {ckpt_dir} failed: {e}.{_instead(ckpt_dir)}") from e
     restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer"])
     _check_all(restored.error, group, f"load: restore {ckpt_dir}")
     _base[os.path.dirname(ckpt_dir)] = manifest["step"]
@@ -199,37 +194,39 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     return manifest["step"]
 
 def check_root(root, timeout=DEFAULT_TIMEOUT, stale_after=STALE_AFTER):
-    """Claim root for this run, and fail now, on every rank, if it cannot hold checkpoints: otherwise a wrong
-    root, or one another live run writes to, surfaces at the first save, and the training until then is lost."""
+    """Claim root for this run and fail now, on every rank, if it cannot hold checkpoints: otherwise a wrong root,
+    one another live run writes to, or a node-local one, surfaces at the first save, losing the training so far."""
     wait_pending()
-    group, root = checkpoint_group(timeout), os.path.abspath(root)
+    group, root = checkpoint_group(timeout), os.path.realpath(root)
     _check_all(None, group, "check_root()", {"root": root})
     _rank0(group, f"check of the checkpoint root {root}", lambda _: _claim(root, stale_after))
+    _check_shared(group, os.path.join(root, OWNER))
 
 def close():
     """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): commit a save in flight,
-    release the root (the next run needs no stale wait), stop the claim's thread, free the async host buffers and
-    destroy ckpt's process groups, which must not outlive the default one."""
+    release the root (the next run needs no stale wait), stop the claim's heartbeat, free the async host buffers,
+    and destroy ckpt's process groups, which must not outlive the default one."""
     try:
         wait_pending()
     finally:
-        for root, (run, stop, thread) in _claims.items():
-            stop.set()
-            thread.join()
-            if (_read_owner(os.path.join(root, OWNER))[0] or {}).get("run") == run:
-                os.remove(os.path.join(root, OWNER))
         for group in _groups.values():
             dist.destroy_process_group(group)
         for stager in _stagers:
             stager.close()
-        for registry in (_claims, _groups, _stagers):
+        for root, claim in _claims.items():
+            claim.stop.set()
+            claim.refresher.join()
+            if (_read_owner(os.path.join(root, OWNER))[0] or {}).get("run") == claim.run:
+                os.remove(os.path.join(root, OWNER))
+        for registry in (_groups, _stagers, _claims):
             registry.clear()
 
 # What wait() needs to commit a save; base: the step this run continues from (see _move_aside).
 Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base")
 
 class PendingSave:
-    """A save being written. done(): this rank's write is over (no collective). wait(): commit, on every rank."""
+    """A save being written. done() says whether this rank's write is over (no collective: ranks may differ, so
+    agree on it, e.g. in an all-reduce, before calling wait()); wait() commits, on every rank."""
     def __init__(self, commit=None, path=None):
         self.commit, self.path, self.job = commit, path, None  # job: a Future of this rank's Outcome of _write()
 
@@ -252,21 +249,21 @@ def wait_pending():  # commit the save in flight, if any (on every rank)
     while _in_flight:
         _in_flight[0].wait()
 
-
 # ---- save, step by step ----
 
-# flat: {DCP key: value}; skeletons: {extra: its state without its DTensors}; like: {extra: {path of a DTensor:
+# flat: {DCP key: value}; skeletons: {extra: its state but its DTensors}; like: {extra: {path of a DTensor:
 # the parameter it is laid out like}}; optimizer: see _optimizer_summary().
 Collected = collections.namedtuple("Collected", "flat skeletons like optimizer")
 
-def _collect(model, optimizers, extra, rng):  # step 1
+def _collect(model, optimizers, extra, rng, meta):  # step 1
+    json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
     _check_optimizer_state(model, optimizers)
     model_sd, optim_sd = _state_dicts(model, optimizers)
     flat = {f"model.{k}": v for k, v in model_sd.items()}
     flat.update({f"optim.{k}": _walk(v, _restorable, f"optim.{k}") for k, v in optim_sd.items()})
     # A DTensor in an extra (an EMA, another optimizer's moments) is restored laid out like the parameter it is
     # laid out like now, on the mesh of the day: it reshards as that parameter does.
-    layouts = {_layout(t): fqn for fqn, t in model_sd.items() if isinstance(t, DTensor)}
+    fqn_of_layout = {_layout(t): fqn for fqn, t in model_sd.items() if isinstance(t, DTensor)}
     skeletons, like = {}, {}
     for name, obj in _extras(extra, rng).items():
         like[name] = {}
@@ -274,11 +271,11 @@ def _collect(model, optimizers, extra, rng):  # step 1
         def leaf(path, value):
             if not isinstance(value, DTensor):
                 return _restorable(f"extra {name!r}: {path}", value)
-            if _layout(value) not in layouts:
+            if _layout(value) not in fqn_of_layout:
                 raise CheckpointError(f"extra {name!r}: {path} is a DTensor laid out like no parameter of the model "
                                       f"({value.placements}, shape {tuple(value.shape)}): load() could not place it")
             flat[f"extra.{name}{path}"] = value  # under a key of its own, so that DCP saves each rank's shard
-            like[name][path] = layouts[_layout(value)]
+            like[name][path] = fqn_of_layout[_layout(value)]
             return None  # its place in the skeleton
 
         try:
@@ -288,7 +285,8 @@ def _collect(model, optimizers, extra, rng):  # step 1
     return Collected(flat, skeletons, like, _optimizer_summary(optimizers, _param_names(model, model_sd)))
 
 def _walk(value, leaf, path=""):
-    """value rebuilt with leaf(path, x) in place of each leaf x of its dicts, lists and tuples."""
+    """value rebuilt with leaf(path, x) in place of each leaf x of its dicts, lists and tuples; a dict key that
+    load() could not restore is refused."""
     if isinstance(value, dict):
         for key in value:
             _restorable(f"{path}: the key {key!r}", key)
@@ -346,9 +344,14 @@ def _prepare(root, step):  # step 3, rank 0
     _claim(root, STALE_AFTER)
     # DCP assumes an empty directory: an old .metadata beside new shards would be trusted. A unique name also
     # means that a leftover we could not remove never blocks a later save.
-    tmp = os.path.join(root, f"{TMP}step-{step:08d}-{uuid.uuid4().hex[:8]}")
+    tmp = _unique(root, TMP, step)
     os.makedirs(tmp)  # not fsynced: lost in a crash, it held nothing committed; the commit's fsyncs cover it
     return tmp
+
+def _check_shared(group, path):
+    # A rank that cannot see what rank 0 made has a node-local root: a save would scatter its shards over disks.
+    unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage every rank shares"
+    _check_all(unseen, group, "shared storage check")
 
 def _write(state, tmp, group):
     """Step 4: DCP writes this rank's files. When it returns, every rank's files and .metadata are written, and
@@ -364,8 +367,10 @@ def _write(state, tmp, group):
 def _commit(c, parts):  # steps 5-6, rank 0
     failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(parts) if error]
     if failed:
+        shutil.rmtree(c.tmp, ignore_errors=True)  # frees the space, on a full disk say
         raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was committed; "
                               "the previous checkpoint is intact")
+    _claim(c.root, STALE_AFTER)  # still ours: a run that took it over meanwhile writes there now
     files = {name: record for checksums, _ in parts for name, record in checksums.items()}
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
@@ -378,7 +383,7 @@ def _commit(c, parts):  # steps 5-6, rank 0
     os.rename(c.tmp, step_dir(c.root, c.step))  # atomic: the checkpoint appears whole or not at all
     fsync_dir(c.root)  # without this, a power cut can undo the rename
     for step in _steps(c.root)[: -c.keep] if c.keep else []:  # 6. A failure is logged: the commit stands.
-        trash = os.path.join(c.root, f"{TMP}delete-step-{step:08d}-{uuid.uuid4().hex[:8]}")
+        trash = _unique(c.root, f"{TMP}delete-", step)
         try:  # out of load()'s sight first: a crash mid-delete leaves a .tmp- directory, never half a checkpoint
             os.rename(step_dir(c.root, step), trash)
             shutil.rmtree(trash)
@@ -394,13 +399,15 @@ def _move_aside(root, base):
     for step in reversed(_steps(root)):
         if base is not None and step <= base:
             break
-        moved.append(os.path.join(root, f"{ABANDONED}step-{step:08d}-{uuid.uuid4().hex[:8]}"))
+        moved.append(_unique(root, ABANDONED, step))
         os.rename(step_dir(root, step), moved[-1])
     if moved:
         fsync_dir(root)  # or a power cut brings a given-up step back as the newest
         log.warning("moved aside %s: this run continues from %s (delete them when no longer needed)",
                     ", ".join(moved), f"step {base}" if base is not None else "no checkpoint of this root")
 
+def _unique(root, prefix, step):
+    return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
 
 # ---- load, step by step ----
 
@@ -413,17 +420,17 @@ def _choose(path):  # step 2, rank 0
     try:
         return (found, read_manifest(found)) if found else (None, None)
     except CheckpointError as e:
-        raise _refusal(found, e) from e
+        raise CheckpointError(f"refusing to load a damaged checkpoint: {e}.{_instead(found)}") from None
 
-def _refusal(ckpt_dir, error):  # for a checkpoint that is damaged or gone: names what to load instead
+def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged or gone
     root, name = os.path.split(ckpt_dir)
     steps = _steps(root)
     if not os.path.isdir(ckpt_dir):
-        return CheckpointError(f"{error}. {ckpt_dir} does not exist (now: removed by the retention of a run writing "
-                               f"{root}?); the newest commit there is {step_dir(root, steps[-1]) if steps else None}")
+        newest = step_dir(root, steps[-1]) if steps else None
+        return f" {ckpt_dir} does not exist (removed by the retention of a run writing {root}?): the newest commit " \
+               f"there is {newest}"
     older = [s for s in steps if STEP_RE.match(name) and s < int(STEP_RE.match(name).group(1))]
-    hint = f" The newest older commit is {step_dir(root, older[-1])}: pass it to load it." if older else ""
-    return CheckpointError(f"refusing to load a damaged checkpoint: {error}.{hint}")
+    return f" The newest older commit is {step_dir(root, older[-1])}: pass it to load it." if older else ""
 
 def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
     """Step 4: what dcp.load() reads into, checked against the checkpoint: the live model and optimizer state;
@@ -442,14 +449,16 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
     extras, resized = {}, manifest["world_size"] != dist.get_world_size()
     for name, obj in _extras(extra, rng).items():
         entry = manifest["extra"].get(name)
-        if entry is None and not name.startswith("rng."):  # a generator: saved with rng=False, or without CUDA
+        if entry is None and name.startswith("rng."):
+            continue  # a generator saved with rng=False, or without CUDA
+        if entry is None:
             raise CheckpointError(f"extra {name!r} is not in {ckpt_dir}, which holds {sorted(manifest['extra'])}")
-        if entry and entry["per_rank"] and resized and not name.startswith("rng."):
+        if entry["per_rank"] and resized and name.startswith("rng."):
+            continue  # a generator that differed between ranks: N streams do not map onto M ranks; left as it is
+        if entry["per_rank"] and resized:
             raise CheckpointError(f"extra {name!r} differed between ranks when saved at world size "
                                   f"{manifest['world_size']}, so it cannot go to {dist.get_world_size()} ranks: "
                                   "resume at that size, or make its state_dict() the same on every rank")
-        if entry is None or entry["per_rank"] and resized:  # a generator that differed between ranks: left as is
-            continue
         skeleton = f"rank.{dist.get_rank()}.extra.{name}" if entry["per_rank"] else f"extra.{name}"
         request[skeleton] = _empty_like(saved[skeleton], None)
         for path, fqn in entry["like"].items():
@@ -463,7 +472,9 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
 def _match(ckpt_dir, saved, request, live, optimizers):
     """Refuse, naming the keys, a checkpoint whose model or optimizer keys, shapes or dtypes are not the live ones."""
     ours = [k for k in saved if k.startswith("model.") or (optimizers and k.startswith("optim."))]
-    missing, unexpected, differ = [k for k in request if k not in saved], [k for k in ours if k not in live], []
+    missing = [k for k in request if k not in saved]
+    unexpected = [k for k in ours if k not in live]
+    differ = []
     for key, value in request.items():
         was = saved.get(key)
         if isinstance(value, torch.Tensor) and hasattr(was, "size"):
@@ -492,13 +503,13 @@ def _empty_like(saved, param):
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
 
 def _restore(plan, model, optimizers, saved_summary):
-    """Steps 5-6, after dcp.load(): hand the values to the model, the optimizers and the extras (user code runs),
+    """Steps 5-6, after dcp.load(): hand the values to the extras, the model and the optimizers (user code runs),
     then check that every parameter's optimizer state has the keys and step it was saved with."""
     values = {**plan.live, **plan.request}  # with the placeholders of parameters saved without optimizer state
-    model_sd = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     for name, (obj, skeleton, paths) in plan.extras.items():
         dtensors = {path: values[f"extra.{name}{path}"] for path in paths}
         obj.load_state_dict(_walk(values[skeleton], lambda path, value: dtensors.get(path, value)))
+    model_sd = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     if not optimizers:
         set_model_state_dict(model, model_sd, options=SD_OPTIONS)
         return
@@ -532,7 +543,6 @@ def _param_names(model, model_sd):
             raise CheckpointError(f"parameter {name} has no entry in the model's state dict ({list(model_sd)[:5]}...)")
         names.setdefault(param, []).append(canonical)
     return names
-
 
 # ---- files: the steps, checksums, manifests ----
 
@@ -612,7 +622,6 @@ def fsync_dir(path):
     finally:
         os.close(fd)
 
-
 # ---- untrusted input: DCP pickles .metadata and every value that is not a tensor ----
 
 # pickle.load of a file from elsewhere runs any code it names: .metadata may name DCP's types alone (and dtypes).
@@ -627,8 +636,8 @@ _METADATA_TYPES = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
-        if not dtype and name not in _METADATA_TYPES.get(module, ()):
+        dtype_or_layout = module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+        if not dtype_or_layout and name not in _METADATA_TYPES.get(module, ()):
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type of DCP's metadata")
         return super().find_class(module, name)
 
@@ -651,14 +660,13 @@ class SafeReader(dcp.FileSystemReader):
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     """DCP's load planner, unpickling values with torch.load(weights_only=True), plain tensors onto the CPU. Our
-    keys are flat already (flatten_state_dict=False): each value lands in the caller's dict under its key."""
+    keys are flat already, and each value lands in the caller's dict under its key, not rebuilt (see _write)."""
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def load_bytes(self, read_item, value):
         loaded = torch.load(value, weights_only=True, map_location="cpu")
         self.original_state_dict[read_item.dest_index.fqn] = loaded
-
 
 # ---- coordination: a gloo group with a long timeout; every rank learns of any rank's failure ----
 
@@ -681,38 +689,40 @@ def _collective(what, fn, *args, **kwargs):  # a timeout or a lost peer becomes 
                               "rank reached it within the checkpoint timeout (called on every rank? did a rank "
                               f"crash or hang?). Cause: {e}") from e
 
-def _attempt(fn, *args):  # a local step's Outcome, to share
+def _attempt(fn, *args):  # a local step's Outcome, for _check_all() to share
     try:
         return Outcome(fn(*args), None)
     except FAILURES as e:
         log.debug("on rank %d", dist.get_rank(), exc_info=True)
         return Outcome(None, f"{type(e).__name__}: {e}")
 
-def _check_all(error, group, what, args=None):
-    """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args."""
+def _check_all(error, group, what, args=None, info=None):
+    """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args; else
+    return every rank's info."""
     reports = [None] * dist.get_world_size()
-    _collective(what, dist.all_gather_object, reports, (error, args or {}), group=group)
-    failed = [f"rank {r}: {error}" for r, (error, _) in enumerate(reports) if error]
+    _collective(what, dist.all_gather_object, reports, (error, args or {}, info), group=group)
+    failed = [f"rank {r}: {message}" for r, (message, _, _) in enumerate(reports) if message]
     if failed:
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
-    names = [name for name in args or {} if any(other[name] != args[name] for _, other in reports)]
-    ranks = [f"rank {r}: " + " ".join(f"{n}={other[n]!r}" for n in names) for r, (_, other) in enumerate(reports)]
+    names = [name for name in args or {} if any(other[name] != args[name] for _, other, _ in reports)]
+    ranks = [f"rank {r}: " + " ".join(f"{n}={other[n]!r}" for n in names) for r, (_, other, _) in enumerate(reports)]
     if names:
         raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
+    return [rank_info for _, _, rank_info in reports]
 
 def _rank0(group, what, fn, part=None):
     """Rank 0 runs fn([every rank's part]); every rank returns its result, or raises its error."""
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     _collective(what, dist.gather_object, part, parts, dst=0, group=group)
-    outcome = [*_attempt(fn, parts)] if dist.get_rank() == 0 else [None, None]
-    _collective(what, dist.broadcast_object_list, outcome, src=0, group=group)
-    if outcome[1]:
-        raise CheckpointError(f"{what} failed on rank 0: {outcome[1]}")
-    return outcome[0]
+    result, error = _attempt(fn, parts) if dist.get_rank() == 0 else (None, None)
+    shared = [result, error]
+    _collective(what, dist.broadcast_object_list, shared, src=0, group=group)
+    if shared[1]:
+        raise CheckpointError(f"{what} failed on rank 0: {shared[1]}")
+    return shared[0]
 
 def _as_list(optimizer):
     return [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-
 
 # ---- the root: one live run writes to it ----
 
@@ -721,7 +731,7 @@ def _claim(root, stale_after):
     each other's checkpoints: each takes the other's save in progress for a crashed one."""
     path = os.path.join(root, OWNER)
     if root in _claims:
-        if (_read_owner(path)[0] or {}).get("run") != _claims[root][0]:
+        if (_read_owner(path)[0] or {}).get("run") != _claims[root].run:
             raise CheckpointError(f"this run lost its claim on {root}: another run took it over and writes there")
         return
     os.makedirs(root, exist_ok=True)
@@ -743,10 +753,13 @@ def _claim(root, stale_after):
             json.dump(me, f)
     except FileExistsError:
         raise CheckpointError(f"{root} was claimed by another run just now: {_read_owner(path)[0]}") from None
-    stop = threading.Event()  # the refresher is a daemon thread: a run that crashes must still exit
-    thread = threading.Thread(target=_refresh, args=(path, stop, stale_after / 4), name="ckpt-claim", daemon=True)
-    thread.start()
-    _claims[root] = (me["run"], stop, thread)
+    # The heartbeat beats at least every STALE_AFTER / 4 s, whatever this run's stale_after, so that another run
+    # using the default never takes a live run's root.
+    stop = threading.Event()
+    every = min(stale_after, STALE_AFTER) / 4
+    refresher = threading.Thread(target=_refresh, args=(path, stop, every), name="ckpt-claim", daemon=True)
+    refresher.start()  # a daemon: a run that crashes must still exit
+    _claims[root] = Claim(me["run"], stop, refresher)
     for name in os.listdir(root):  # left by a run that is gone; ours come after this
         if name.startswith(TMP):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -754,12 +767,12 @@ def _claim(root, stale_after):
 
 def _read_owner(path):  # (the claim, seconds since its last refresh), or (None, None)
     try:
-        age = time.time() - os.stat(path).st_mtime
         with open(path) as f:
+            age = time.time() - os.fstat(f.fileno()).st_mtime
             return json.load(f), age
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError):
+    except ValueError:
         return {}, age  # half-written by a run that died: judged by its age alone
 
 def _alive(pid):
