@@ -30,7 +30,7 @@ Load:
   6. Verify each parameter's optimizer state: its keys and the step it was saved with.
 
     root/
-      .owner.json                      the run that writes here (host, pid, job), refreshed while it lives
+      .owner.json                      the run that writes here: host, pid, job (removed by close())
       step-00000100/                   a commit: appears by one rename, once every rank's files are on disk
         manifest.json                  ours: step, world size, each file's size and CRC-32, the extras' layout
         .metadata                      DCP: where each key is stored (a pickle)
@@ -55,7 +55,6 @@ import random
 import re
 import shutil
 import socket
-import threading
 import time
 import types
 import uuid
@@ -74,7 +73,6 @@ from torch.distributed.tensor import DTensor
 log = logging.getLogger("ckpt")
 FORMAT = 3  # of manifest.json and of the keys
 DEFAULT_TIMEOUT = datetime.timedelta(hours=1)  # of checkpoint collectives; training keeps its own, shorter one
-STALE_AFTER = 120.0  # seconds without a refresh after which another run's claim on a root is taken over
 MANIFEST, OWNER, TMP, ABANDONED = "manifest.json", ".owner.json", ".tmp-", ".abandoned-"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer state keyed by name: "state.<fqn>.*"
@@ -86,9 +84,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
 
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
-Claim = collections.namedtuple("Claim", "run stop refresher")  # rank 0's claim on a root, and its heartbeat
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
-_claims = {}  # root -> this run's Claim on it (rank 0)
+_claims = {}  # root -> the id of this run's claim on it (rank 0)
 _base = {}  # root -> the step this run continues from there (loaded or last committed)
 _in_flight = []  # the async save being written, at most one
 _stagers = []  # the async saves' host buffers, kept until close()
@@ -193,19 +190,19 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]
 
-def check_root(root, timeout=DEFAULT_TIMEOUT, stale_after=STALE_AFTER):
+def check_root(root, timeout=DEFAULT_TIMEOUT):
     """Claim root for this run and fail now, on every rank, if it cannot hold checkpoints: otherwise a wrong root,
     one another live run writes to, or a node-local one, surfaces at the first save, losing the training so far."""
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
     _check_all(None, group, "check_root()", {"root": root})
-    _rank0(group, f"check of the checkpoint root {root}", lambda _: _claim(root, stale_after))
+    _rank0(group, f"check of the checkpoint root {root}", lambda _: _claim(root))
     _check_shared(group, os.path.join(root, OWNER))
 
 def close():
     """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): commit a save in flight,
-    release the root (the next run needs no stale wait), stop the claim's heartbeat, free the async host buffers,
-    and destroy ckpt's process groups, which must not outlive the default one."""
+    release the root, free the async host buffers, and destroy ckpt's process groups, which must not outlive the
+    default one."""
     try:
         wait_pending()
     finally:
@@ -213,10 +210,8 @@ def close():
             dist.destroy_process_group(group)
         for stager in _stagers:
             stager.close()
-        for root, claim in _claims.items():
-            claim.stop.set()
-            claim.refresher.join()
-            if (_read_owner(os.path.join(root, OWNER))[0] or {}).get("run") == claim.run:
+        for root, run in _claims.items():
+            if (_read_owner(os.path.join(root, OWNER)) or {}).get("run") == run:
                 os.remove(os.path.join(root, OWNER))
         for registry in (_groups, _stagers, _claims):
             registry.clear()
@@ -341,7 +336,7 @@ def _generator(get_state, set_state):
     return types.SimpleNamespace(state_dict=get_state, load_state_dict=set_state)
 
 def _prepare(root, step):  # step 3, rank 0
-    _claim(root, STALE_AFTER)
+    _claim(root)
     # DCP assumes an empty directory: an old .metadata beside new shards would be trusted. A unique name also
     # means that a leftover we could not remove never blocks a later save.
     tmp = _unique(root, TMP, step)
@@ -370,7 +365,7 @@ def _commit(c, parts):  # steps 5-6, rank 0
         shutil.rmtree(c.tmp, ignore_errors=True)  # frees the space, on a full disk say
         raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was committed; "
                               "the previous checkpoint is intact")
-    _claim(c.root, STALE_AFTER)  # still ours: a run that took it over meanwhile writes there now
+    _claim(c.root)  # still ours: a run that took it over meanwhile writes there now
     files = {name: record for checksums, _ in parts for name, record in checksums.items()}
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
@@ -726,54 +721,49 @@ def _as_list(optimizer):
 
 # ---- the root: one live run writes to it ----
 
-def _claim(root, stale_after):
+def _claim(root):
     """Rank 0: make this run the only writer of root, or raise naming the run that is. Two runs on one root delete
     each other's checkpoints: each takes the other's save in progress for a crashed one."""
     path = os.path.join(root, OWNER)
     if root in _claims:
-        if (_read_owner(path)[0] or {}).get("run") != _claims[root].run:
+        if (_read_owner(path) or {}).get("run") != _claims[root]:
             raise CheckpointError(f"this run lost its claim on {root}: another run took it over and writes there")
         return
     os.makedirs(root, exist_ok=True)
     me = {"run": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "started": time.ctime(),
           "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")}
-    owner, age = _read_owner(path)
+    owner = _read_owner(path)
     if owner is not None:
-        # Gone: its process, on this host (our very pid is an earlier life of it, in a restarted container).
-        gone = owner.get("host") == me["host"] and (owner.get("pid") == me["pid"] or not _alive(owner.get("pid")))
-        if not gone and age < stale_after:
+        # Its run is gone, and the claim ours to take: when it is this job (requeued, or restarted by torchrun),
+        # its process is no more on this host (our very pid: an earlier life of it, in a restarted container),
+        # or the claim is half-written (its run died writing it).
+        same_job = owner.get("job") is not None and owner.get("job") == me["job"]
+        dead = owner.get("host") == me["host"] and (owner.get("pid") == me["pid"] or not _alive(owner.get("pid")))
+        if owner and not (same_job or dead):
             who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
-            raise CheckpointError(f"{root} is in use by another run ({who}; refreshed {age:.0f} s ago): stop it or "
-                                  f"use another root. A claim expires {stale_after:.0f} s after its run stops; or "
-                                  f"delete {path}. (Reading needs none: load() takes no claim.)")
-        log.warning("taking over %s from %s: %s", root, owner, "its process is gone" if gone else f"stale, {age:.0f} s")
+            raise CheckpointError(f"{root} is in use by another run ({who}): stop it or use another root; if that "
+                                  f"run is gone (it crashed on another host), delete {path}. (load() takes no claim.)")
+        log.warning("taking over %s from %s: its run is gone", root, owner)
         os.remove(path)
     try:  # "x": create-exclusive, atomic on local file systems and NFS v3+ (flock is not reliable on NFS)
         with open(path, "x") as f:
             json.dump(me, f)
     except FileExistsError:
-        raise CheckpointError(f"{root} was claimed by another run just now: {_read_owner(path)[0]}") from None
-    # The heartbeat beats at least every STALE_AFTER / 4 s, whatever this run's stale_after, so that another run
-    # using the default never takes a live run's root.
-    stop = threading.Event()
-    every = min(stale_after, STALE_AFTER) / 4
-    refresher = threading.Thread(target=_refresh, args=(path, stop, every), name="ckpt-claim", daemon=True)
-    refresher.start()  # a daemon: a run that crashes must still exit
-    _claims[root] = Claim(me["run"], stop, refresher)
+        raise CheckpointError(f"{root} was claimed by another run just now: {_read_owner(path)}") from None
+    _claims[root] = me["run"]
     for name in os.listdir(root):  # left by a run that is gone; ours come after this
         if name.startswith(TMP):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             log.warning("removed %s, left by an interrupted save", os.path.join(root, name))
 
-def _read_owner(path):  # (the claim, seconds since its last refresh), or (None, None)
+def _read_owner(path):  # the claim's record: None if there is none, {} if its run died writing it
     try:
         with open(path) as f:
-            age = time.time() - os.fstat(f.fileno()).st_mtime
-            return json.load(f), age
+            return json.load(f)
     except FileNotFoundError:
-        return None, None
+        return None
     except ValueError:
-        return {}, age  # half-written by a run that died: judged by its age alone
+        return {}
 
 def _alive(pid):
     try:
@@ -781,11 +771,3 @@ def _alive(pid):
     except OSError as e:
         return e.errno != errno.ESRCH  # EPERM: there is, another user's
     return True
-
-def _refresh(path, stop, every):
-    # The claim's modification time is its heartbeat: a run that stops refreshing it can be taken over.
-    while not stop.wait(every):
-        try:
-            os.utime(path)
-        except OSError as e:
-            log.warning("could not refresh %s: %s", path, e)
