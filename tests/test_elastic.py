@@ -16,12 +16,18 @@ What is compared, for every resume:
     another order at another world size, so bit equality is not expected);
   * the LR and the data position (global samples consumed) of every step: exact.
 
-All runs use --dropout 0. train_fsdp.py seeds torch alike on every rank, so its generator
-state is the same on every rank when saved, and ckpt restores it on every rank at any world
-size (checked here: rank 0's torch generator state, and the log line); Python's unseeded
-generator differs between processes and is reseeded. Dropout masks would
-still differ from the uninterrupted run (each rank draws for its own share of the batch,
-which the world size changes), and the loss comparison would measure that instead of the resume.
+  * the random generators: train_fsdp.py seeds torch and Python's random alike on every rank,
+    so each was the same on every rank when saved, and ckpt restores it on every rank at any
+    world size. The wrapper scrambles both generators right before the load, so only a restore
+    brings them back: every rank's state after the load must equal the saved one, and no
+    "not restored from" warning may be logged.
+
+All runs use --dropout 0: dropout masks would still differ from the uninterrupted run (each rank
+draws for its own share of the batch, which the world size changes), and the loss comparison
+would measure that instead of the resume.
+
+Speed (2 cores): launches go through tests/forkrun.py (torch imported once for the module, not
+once per rank and launch); the model has one layer (dims as before: the uneven shards stay).
 
     python -m pytest -q -s tests/test_elastic.py
 """
@@ -30,24 +36,30 @@ import os
 import re
 import shutil
 
+from tests import forkrun
+
+ZYGOTE = forkrun.shared()  # before the imports of torch below: the zygote's own runs meanwhile
+
 import pytest
 import torch
 
-from tests.harness import REPO, SMALL, TRAIN, read_log, torchrun
+from tests.harness import REPO, SMALL, TRAIN, read_log
 
 STEPS, SAVE_AT = 8, 4
 # Flags after SMALL override it (argparse keeps the last). Batch 12 splits evenly over 1, 2, 3
 # and 4 ranks; dim 64, vocab 256 and ffn 176 are not multiples of 3.
 COMMON = SMALL + ["--batch-size", "12", "--ffn-dim", "176", "--vocab-size", "256", "--dropout", "0",
-                  "--steps", str(STEPS), "--seed", "5", "--keep", "3"]
+                  "--steps", str(STEPS), "--seed", "5", "--keep", "3", "--n-layers", "1"]
 RTOL = 1e-4
 
 # Runs train_fsdp.py unchanged; ckpt.save and ckpt.load are wrapped from outside so that
 # the full state is gathered right before each save and right after each load, and
-# rank 0 writes it to $ELASTIC_DUMP/{saved,loaded}-step{N}-world{W}.pt. Gathering the
-# whole model to one rank is fine for a test model, never for a real one.
+# rank 0 writes it to $ELASTIC_DUMP/{saved,loaded}-step{N}-world{W}.pt, with every rank's
+# generator states. Before the load, the generators are scrambled (another seed on each rank):
+# after it they hold what was saved only if ckpt restored them. Gathering the whole model to
+# one rank is fine for a test model, never for a real one.
 WRAPPER = '''
-import os, runpy, sys
+import os, random, runpy, sys
 sys.path.insert(0, {repo!r})
 import torch
 import torch.distributed as dist
@@ -60,8 +72,10 @@ real_save, real_load = ckpt.save, ckpt.load
 
 def dump(kind, step, model, optimizer, extra):
     model_sd, optim_sd = get_state_dict(model, optimizer, options=FULL)  # collective; rank 0 receives
+    generators = [None] * dist.get_world_size()
+    dist.all_gather_object(generators, {{"torch": torch.get_rng_state(), "python": random.getstate()}})
     if dist.get_rank() == 0:
-        state = {{"model": model_sd, "optim": optim_sd, "rng": {{"torch": torch.get_rng_state()}},
+        state = {{"model": model_sd, "optim": optim_sd, "rng": generators[0], "rng_ranks": generators,
                   "extra": {{k: v.state_dict() for k, v in (extra or {{}}).items()}}}}
         name = f"{{kind}}-step{{step}}-world{{dist.get_world_size()}}.pt"
         torch.save(state, os.path.join(os.environ["ELASTIC_DUMP"], name))
@@ -73,6 +87,8 @@ def save(root, step, model, optimizer, extra=None, **kw):
 
 
 def load(path, model, optimizer, extra=None, **kw):
+    torch.manual_seed(1000 + dist.get_rank())  # scrambled: only a restore brings back what was saved
+    random.seed(1000 + dist.get_rank())
     step = real_load(path, model, optimizer, extra, **kw)
     if step is not None:
         dump("loaded", step, model, optimizer, extra)
@@ -85,20 +101,28 @@ runpy.run_path({train!r}, run_name="__main__")
 '''
 
 
-def launch(d, args, nproc, **kw):
-    """torchrun the wrapper at world size nproc; dumps land in d."""
+@pytest.fixture(scope="module")
+def zygote():
+    count, cpu = ZYGOTE.count, ZYGOTE.cpu
+    yield ZYGOTE
+    print(f"\n[forkrun: {ZYGOTE.count - count} launches, {ZYGOTE.cpu - cpu:.0f} s of CPU in them]")
+
+
+def launch(zygote, d, args, nproc, **kw):
+    """Run the wrapper at world size nproc (tests/forkrun.py, as torchrun --standalone); dumps land in d."""
     wrapper = d / "elastic_wrapper.py"
     if not wrapper.exists():
         wrapper.write_text(WRAPPER.format(repo=REPO, train=TRAIN))
     env = dict(os.environ, ELASTIC_DUMP=str(d))
-    return torchrun(COMMON + args, nproc=nproc, script=str(wrapper), env=env, **kw)
+    return zygote.run(nproc, str(wrapper), COMMON + args, env=env, **kw)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(zygote, tmp_path_factory):
     """The uninterrupted run at world size 2; its step-4 checkpoint is where every resume starts."""
     d = tmp_path_factory.mktemp("elastic_reference")
-    launch(d, ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--save-every", str(SAVE_AT)], 2)
+    launch(zygote, d, ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--save-every",
+                       str(SAVE_AT)], 2)
     log = read_log(d / "log.jsonl")
     assert sorted(log) == list(range(1, STEPS + 1))
     # The tolerance must be able to see a resume that is off by one step (LR or data position):
@@ -115,7 +139,7 @@ def compare_state(saved_path, loaded_path):
     saved = torch.load(saved_path, weights_only=True)
     loaded = torch.load(loaded_path, weights_only=True)
     n_tensors, n_values, max_diff = 0, 0, 0.0
-    for part in ("model", "optim", "extra", "rng"):
+    for part in ("model", "optim", "extra"):
         a, b = flat(saved[part]), flat(loaded[part])
         assert sorted(a) == sorted(b), f"{part}: keys differ: {sorted(set(a) ^ set(b))[:10]}"
         for k in a:
@@ -143,11 +167,12 @@ def flat(tree, prefix=""):
 
 
 @pytest.mark.parametrize("worlds", [(1,), (3, 2), (4,)], ids=lambda w: "2-" + "-".join(map(str, w)))
-def test_elastic_resume(reference, tmp_path, worlds):
+def test_elastic_resume(zygote, reference, tmp_path, worlds):
     """Saved at world size 2, resumed on 1, on 4, and on 3 ranks then back on 2 (stopping at step 6 on 3).
 
     Guards against a job restarted on another number of GPUs that loads without error but
-    puts uneven shards or optimizer moments in the wrong place, or reads other samples."""
+    puts uneven shards or optimizer moments in the wrong place, reads other samples, or leaves
+    generators that were the same on every rank unrestored."""
     ref_dir, ref = reference
     d = tmp_path
     (d / "ckpt").mkdir()
@@ -156,19 +181,27 @@ def test_elastic_resume(reference, tmp_path, worlds):
     stops = [SAVE_AT + 2 * (i + 1) for i in range(len(worlds) - 1)] + [STEPS]
     prev_world, start, saved_dir = 2, SAVE_AT, ref_dir
     for world, stop in zip(worlds, stops):
-        _, out = launch(d, args + ["--stop-after", str(stop)], world)
-        assert f"resumed from step {start}" in out
-        restored = f"world size changed {prev_world} -> {world}: RNG restored on every rank: torch"
-        assert restored in out and "reseeded from (seed, step, rank): python (" in out, f"RNG line:\n{out[-3000:]}"
+        _, out = launch(zygote, d, args + ["--stop-after", str(stop)], world)
+        assert f"resumed from step {start}" in out and f"(step {start}, saved at world size {prev_world})" in out
+        assert "not restored from" not in out, f"generators alike on every rank must be restored\n{out[-3000:]}"
 
         saved, n_tensors, n_values, max_diff = compare_state(
             saved_dir / f"saved-step{start}-world{prev_world}.pt", d / f"loaded-step{start}-world{world}.pt")
+        loaded = torch.load(d / f"loaded-step{start}-world{world}.pt", weights_only=True)
+        def alike(a, b):
+            return torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"]
+
+        assert all(alike(r, saved["rng"]) for r in saved["rng_ranks"]), "saved: generators alike on every rank"
+        assert len(loaded["rng_ranks"]) == world
+        for r, gen in enumerate(loaded["rng_ranks"]):
+            assert alike(gen, saved["rng"]), f"rank {r}: its torch or Python generator was not restored"
         uneven = sorted({v.shape[0] for v in saved["model"].values() if v.shape[0] % world})
         log = read_log(d / "log.jsonl")
         rel = max(abs(log[s]["loss"] - ref[s]["loss"]) / ref[s]["loss"] for s in range(start + 1, stop + 1))
         print(f"\n{prev_world} -> {world} at step {start}: state equal ({n_tensors} tensors + {n_values} values, "
               f"max |diff| = {max_diff:.1e}); uneven dim-0 sizes {uneven}; "
-              f"steps {start + 1}-{stop}: max relative |dloss| = {rel:.2e}")
+              f"steps {start + 1}-{stop}: max relative |dloss| = {rel:.2e}; torch and Python generators restored "
+              f"on all {world} ranks")
         assert n_tensors > 0 and max_diff == 0.0
         assert float(saved["optim"][next(k for k in saved["optim"] if k.endswith(".step"))]) == start
         if world == 3:
@@ -181,7 +214,7 @@ def test_elastic_resume(reference, tmp_path, worlds):
     assert sorted(read_log(d / "log.jsonl")) == list(range(SAVE_AT + 1, STEPS + 1))
 
 
-def test_indivisible_world_fails_at_startup(reference, tmp_path):
+def test_indivisible_world_fails_at_startup(zygote, reference, tmp_path):
     """A resume on a world size that does not divide the global batch stops before step 1, saying what to change.
 
     Guards against a job that is restarted on the wrong number of ranks and fails (or
@@ -190,7 +223,7 @@ def test_indivisible_world_fails_at_startup(reference, tmp_path):
     d = tmp_path
     shutil.copytree(ref_dir / "ckpt", d / "ckpt")
     before = sorted(os.listdir(d / "ckpt"))
-    rc, out = launch(d, ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--resume"], 5,
+    rc, out = launch(zygote, d, ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--resume"], 5,
                      check=False, timeout=120)
     message = "--batch-size 12 is not divisible by the world size 5"
     steps = re.findall(r"^step\s+\d+ \|", out, re.M)

@@ -1,7 +1,8 @@
 """A training loop written the way a new user writes one, checkpointed only as the README says.
 
-Not train_fsdp.py: a flat nanoGPT-style script (GPT-2-like blocks, tied embeddings, AdamW with decay
-groups, OneCycleLR, a GradScaler) that knows nothing of ckpt.py beyond check_root / load / save / close.
+Not train_fsdp.py: a flat nanoGPT-style script (a GPT-2-like block, tied embeddings, a fused AdamW with
+decay groups, OneCycleLR, a GradScaler, an EMA) that knows nothing of ckpt.py beyond check_root / load /
+save / close. Small (one block of width 32) so that a run on a 2-core CPU is mostly its start-up.
 tests/test_setups.py runs it under several layouts and wrappers; test_resume.py runs it with --script.
 
     torchrun --standalone --nproc_per_node 2 tests/user_loop.py --steps 16 --stop-after 8
@@ -25,18 +26,27 @@ The model always has what real models bring: tied input/output embeddings (both 
 torch 2.13 refuses a parameter shared across groups), dropout, a trainable parameter that never gets a
 gradient ("unused"), and a branch used only on every third step ("aux"), so its AdamW step lags. `extra`
 holds a OneCycleLR (or SequentialLR) scheduler, a GradScaler (disabled: enabled only for fp16, which this
-script does not offer; its state_dict() is {}), and the data stream: with --data per-rank (default) each
-rank draws from its own torch and numpy generators, so that state differs per rank and cannot move to
-another world size; with --data global sample i depends only on (seed, i), as in train_fsdp.py.
+script does not offer; its state_dict() is {}), an EMA of the sharded parameters (DTensors, built lazily at
+its first update, so that a resume loads into an EMA that holds no tensor yet), and the data stream: with
+--data per-rank (default) each rank draws from its own torch and numpy generators, so that state differs per
+rank and cannot move to another world size; with --data global sample i depends only on (seed, i), as in
+train_fsdp.py. ckpt refuses numpy values in extras (load() could not restore them without running code from
+the checkpoint): RankStream.state_dict() converts its numpy state to ints and tensors, load_state_dict() back.
 
---dump-state DIR gathers the full model and optimizer state (and every rank's extras) right before each
-save and right after the load, into DIR/{saved,loaded}-step{N}.pt: a test check, too big for real models.
+--ema-not-loaded: the EMA is updated and saved but not passed to load(), a realistic user mistake (ckpt only
+warns "not restored from ...: ema"): the resumed run's EMA restarts from the weights of its first step, so
+its final checkpoint differs from an uninterrupted run's, while its losses do not. A checkpoint is saved at
+the last step (--steps), so the final checkpoints of two runs can be compared.
+
+--dump-state DIR gathers the full model and optimizer state, every rank's extras and the full EMA right before
+each save and right after the load, into DIR/{saved,loaded}-step{N}.pt: a test check, too big for real models.
 """
 
 import argparse
 import datetime
 import json
 import os
+import random
 import sys
 
 import numpy as np
@@ -70,9 +80,11 @@ p.add_argument("--sched", choices=["onecycle", "sequential"], default="onecycle"
 p.add_argument("--data", choices=["per-rank", "global"], default="per-rank")
 p.add_argument("--dropout", type=float, default=0.1)
 p.add_argument("--seed", type=int, default=1)
+p.add_argument("--ema-decay", type=float, default=0.9)
+p.add_argument("--ema-not-loaded", action="store_true", help="a user mistake: the EMA is saved, not loaded")
 p.add_argument("--dump-state", default=None)
 args = p.parse_args()
-vocab, dim, n_layer, n_head, seq_len, batch = 96, 32, 2, 4, 16, 8  # batch: global, in sequences
+vocab, dim, n_layer, n_head, seq_len, batch = 96, 32, 1, 4, 16, 8  # batch: global, in sequences
 
 # -------------------------------------------------------------------------------- model
 
@@ -158,14 +170,20 @@ class RankStream:
         return torch.stack(seqs)
 
     def state_dict(self):
-        # torch generator state (uint8 tensor), numpy PCG64 state (dict of 128-bit ints), a numpy array
-        return {"gen": self.gen.get_state(), "np_rng": self.np_rng.bit_generator.state,
-                "batches": self.batches, "seen": self.seen.copy()}
+        # ckpt refuses numpy (load() could not restore it without running code from the checkpoint): the
+        # torch generator's state is a uint8 tensor, numpy's PCG64 state goes as ints, the counts as a tensor.
+        st = self.np_rng.bit_generator.state
+        np_rng = {"state": int(st["state"]["state"]), "inc": int(st["state"]["inc"]),
+                  "has_uint32": int(st["has_uint32"]), "uinteger": int(st["uinteger"])}
+        return {"gen": self.gen.get_state(), "np_rng": np_rng, "batches": self.batches,
+                "seen": torch.from_numpy(self.seen.copy())}
 
     def load_state_dict(self, sd):
         self.gen.set_state(sd["gen"])
-        self.np_rng.bit_generator.state = sd["np_rng"]
-        self.batches, self.seen = int(sd["batches"]), np.array(sd["seen"], dtype=np.int64)
+        st = sd["np_rng"]
+        self.np_rng.bit_generator.state = {"bit_generator": "PCG64", "state": {"state": st["state"], "inc": st["inc"]},
+                                           "has_uint32": st["has_uint32"], "uinteger": st["uinteger"]}
+        self.batches, self.seen = int(sd["batches"]), sd["seen"].numpy().astype(np.int64)
 
 
 class GlobalStream:
@@ -189,6 +207,33 @@ class GlobalStream:
 
     def load_state_dict(self, sd):
         self.samples = sd["samples"]
+
+
+class EMA:
+    """Exponential moving average of the sharded parameters (DTensors, each laid out like its parameter),
+    keyed by the parameter's name without wrapper parts (torch.compile's _orig_mod, activation
+    checkpointing's _checkpoint_wrapped_module), so that toggling a wrapper keeps its keys. Built at the
+    first update, as many users write it: a resume loads it while it holds no tensor."""
+
+    def __init__(self, model, decay):
+        self.model, self.decay, self.shadow = model, decay, None
+
+    def params(self):
+        return {".".join(k for k in n.split(".") if not k.startswith("_")): p for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self):
+        if self.shadow is None:
+            self.shadow = {n: p.detach().clone() for n, p in self.params().items()}
+            return
+        params = self.params()  # one foreach op for all of them, as timm's ModelEmaV3 does
+        torch._foreach_lerp_([self.shadow[n] for n in params], [p.detach() for p in params.values()], 1 - self.decay)
+
+    def state_dict(self):
+        return {"decay": self.decay, "shadow": self.shadow}
+
+    def load_state_dict(self, sd):
+        self.decay, self.shadow = sd["decay"], sd["shadow"]
 
 
 class Progress:
@@ -233,8 +278,10 @@ fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)  # root group: wte and the tied
 
 decay = [w for w in model.parameters() if w.dim() >= 2]
 no_decay = [w for w in model.parameters() if w.dim() < 2]
+# fused: one kernel per step, as many set it on GPU (on CPU torch's default loops over the parameters, each
+# op a DTensor dispatch, and slow the first time each is seen)
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=1e-2, betas=(0.9, 0.95))
+                              lr=1e-2, betas=(0.9, 0.95), fused=True)
 if args.sched == "onecycle":
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[1e-2, 1e-2], total_steps=args.steps, pct_start=0.25)
 else:
@@ -247,8 +294,10 @@ data = RankStream(dp_rank) if args.data == "per-rank" else GlobalStream(dp_rank,
 if args.compile:
     model = torch.compile(model, backend="eager")
 torch.manual_seed(args.seed + 1 + dp_rank)  # dropout: per data-parallel rank, shared by the tp ranks of one
+random.seed(args.seed + 1 + dp_rank)  # unused, but saved like every generator: seeded, runs compare to the bit
 progress = Progress()
-extra = {"sched": scheduler, "scaler": scaler, "data": data, "progress": progress}
+ema = EMA(model, args.ema_decay)
+extra = {"sched": scheduler, "scaler": scaler, "data": data, "progress": progress, "ema": ema}
 
 
 def dump(kind):
@@ -256,10 +305,11 @@ def dump(kind):
     msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(
         full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True))
     extras = [None] * world
-    dist.all_gather_object(extras, {k: v.state_dict() for k, v in extra.items()})
+    dist.all_gather_object(extras, {k: v.state_dict() for k, v in extra.items() if k != "ema"})
+    shadow = {n: t.full_tensor() for n, t in (ema.shadow or {}).items()}  # collective
     raw = getattr(model, "_orig_mod", model)  # under --compile; only to look at the tie
     if rank == 0:
-        torch.save({"model": msd, "optim": osd, "extra": extras, "world": world,
+        torch.save({"model": msd, "optim": osd, "extra": extras, "ema": shadow, "world": world,
                     "tied": raw.lm_head.weight is raw.wte.weight},
                    os.path.join(args.dump_state, f"{kind}-step{progress.step}.pt"))
 
@@ -269,7 +319,8 @@ def dump(kind):
 log = open(args.log_file, "a") if args.log_file and rank == 0 else None
 try:
     if args.resume:
-        found = ckpt.load(args.ckpt_dir, model, optimizer, extra)  # None: nothing saved yet, start at 0
+        loaded = {k: v for k, v in extra.items() if not (args.ema_not_loaded and k == "ema")}
+        found = ckpt.load(args.ckpt_dir, model, optimizer, loaded)  # None: nothing saved yet, start at 0
         if found is not None and args.dump_state:
             dump("loaded")
     while progress.step < args.steps:
@@ -284,6 +335,7 @@ try:
         scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        ema.update()
         stats = torch.zeros(1 + world, dtype=torch.float64)  # mean loss, and each rank's token sum
         stats[0], stats[1 + rank] = loss.item() / world, float(seqs.sum())
         dist.all_reduce(stats)
@@ -291,7 +343,7 @@ try:
             log.write(json.dumps({"step": progress.step, "loss": stats[0].item(), "lr": lr, "aux": use_aux,
                                   "tokens": stats[1:].tolist()}) + "\n")
             log.flush()
-        last = progress.step in (args.steps, args.stop_after)
+        last = progress.step in (args.steps, args.stop_after)  # the last step is always saved
         if last or (args.save_every and progress.step % args.save_every == 0):
             if args.dump_state:
                 dump("saved")
