@@ -439,7 +439,7 @@ def test_extra_mixing_dtensors_and_plain_values(job):
               f"problems {res['problems']}")
         assert res["loaded"] == 1 and res["problems"] == [] and res["rank_value"] == r
         assert res["manifest_entry"]["per_rank"] is True
-        assert sorted(res["manifest_entry"]["like"]) == [".dt", ".nested.0", ".tup.0"]
+        assert sorted(res["manifest_entry"]["like"]) == ["extra.mixed.dt", "extra.mixed.nested.0", "extra.mixed.tup.0"]
         assert [k for k, v in leaves.items() if v[0] == "DTensor"] == [".dt", ".nested.0", ".tup.0"]
         assert len(leaves) == 6 and all(v[2] == 0 for v in leaves.values())
 
