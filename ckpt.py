@@ -170,9 +170,9 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     if ckpt_dir is None:
         return None
     # 3. Verify, each rank its share of the files, before anything is read.
-    errors = verify_files(ckpt_dir, manifest, _share(manifest["files"]), checksums=verify)
+    checked = _attempt(verify_files, ckpt_dir, manifest, _share(manifest["files"]), verify)
     metadata = _attempt(read_metadata, ckpt_dir)
-    damage = "; ".join(errors) or metadata.error
+    damage = checked.error or "; ".join(checked.value) or metadata.error
     _check_all(damage and f"refusing to load a damaged checkpoint: {damage}.{_instead(ckpt_dir)}", group,
                f"load: verify {ckpt_dir}")
     # 4. Match the checkpoint to the model, the optimizers and the extras.
@@ -186,7 +186,8 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         raise CheckpointError(f"reading {ckpt_dir} failed: {e}.{_instead(ckpt_dir)}") from e
     restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer"])
     _check_all(restored.error, group, f"load: restore {ckpt_dir}")
-    _base[os.path.dirname(ckpt_dir)] = manifest["step"]
+    # The next save continues from here; a step moved aside is no ancestor of the live ones: they all go aside then.
+    _base[os.path.dirname(ckpt_dir)] = manifest["step"] if STEP_RE.match(os.path.basename(ckpt_dir)) else None
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]
 
@@ -213,7 +214,7 @@ def close():
         for root, run in _claims.items():
             if (_read_owner(os.path.join(root, OWNER)) or {}).get("run") == run:
                 os.remove(os.path.join(root, OWNER))
-        for registry in (_groups, _stagers, _claims):
+        for registry in (_groups, _stagers, _claims, _base):  # the next run in this process starts afresh
             registry.clear()
 
 # What wait() needs to commit a save; base: the step this run continues from (see _move_aside).
@@ -342,7 +343,7 @@ def _prepare(root, step):  # step 3, rank 0
 
 def _check_shared(group, path):
     # A rank that cannot see what rank 0 made has a node-local root: a save would scatter its shards over disks.
-    unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage every rank shares"
+    unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage shared by every rank"
     _check_all(unseen, group, "shared storage check")
 
 def _write(state, tmp, group):
@@ -740,7 +741,8 @@ def _claim(root):
             who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
             raise CheckpointError(f"{root} is in use by another run ({who}): stop it or use another root; if that "
                                   f"run is gone (it crashed on another host), delete {path}. (load() takes no claim.)")
-        log.warning("taking over %s from %s: its run is gone", root, owner)
+        why = "its process is gone" if dead else "this job, requeued" if same_job else "it is half-written"
+        log.warning("taking over %s from %s: %s", root, owner, why)
         os.remove(path)
     try:  # "x": create-exclusive, atomic on local file systems and NFS v3+ (flock is not reliable on NFS)
         with open(path, "x") as f:
