@@ -38,7 +38,7 @@ Load:
       .tmp-step-00000200-1a2b3c4d/     a save in progress, or interrupted: never loaded
       .abandoned-step-00000150-9f8e/   a step given up by a rollback: kept, loaded only if named
 Keys: model.<fqn>, optim.state.<fqn>.<name>, optim.param_groups.<fqn>.<option>; extra.<name>, an extra's state but
-its DTensors (rank.<r>.extra.<name> where it differs between ranks); extra.<name>.<path>, a DTensor of an extra.
+its DTensors (rank.<r>.extra.<name> where it differs between ranks); extra.<name>.<path>, a DTensor in it.
 The random generators are the extras rng.torch, rng.cuda and rng.python.
 """
 
@@ -109,7 +109,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
             "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
-            "values DCP stores once (buffers, optimizer steps and options: make them equal)": _digest(once)}
+            "buffers, optimizer steps and options (stored once: synchronize them)": _digest(once)}
     digests = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()} if state else {}
     every = _check_all(collected.error, group, "save()", args, digests)
     per_rank = {name for name in digests if any(d[name] != digests[name] for d in every)}
@@ -170,9 +170,9 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     if ckpt_dir is None:
         return None
     # 3. Verify, each rank its share of the files, before anything is read.
-    errors = verify_files(ckpt_dir, manifest, _share(manifest["files"]), checksums=verify)
+    checked = _attempt(verify_files, ckpt_dir, manifest, _share(manifest["files"]), verify)
     metadata = _attempt(read_metadata, ckpt_dir)
-    damage = "; ".join(errors) or metadata.error
+    damage = checked.error or "; ".join(checked.value) or metadata.error
     _check_all(damage and f"refusing to load a damaged checkpoint: {damage}.{_instead(ckpt_dir)}", group,
                f"load: verify {ckpt_dir}")
     # 4. Match the checkpoint to the model, the optimizers and the extras.
@@ -186,7 +186,8 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         raise CheckpointError(f"reading {ckpt_dir} failed: {e}.{_instead(ckpt_dir)}") from e
     restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer"])
     _check_all(restored.error, group, f"load: restore {ckpt_dir}")
-    _base[os.path.dirname(ckpt_dir)] = manifest["step"]
+    # The next save continues from here; a step moved aside is no ancestor of the live ones: they all go aside then.
+    _base[os.path.dirname(ckpt_dir)] = manifest["step"] if STEP_RE.match(os.path.basename(ckpt_dir)) else None
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]
 
@@ -213,7 +214,7 @@ def close():
         for root, run in _claims.items():
             if (_read_owner(os.path.join(root, OWNER)) or {}).get("run") == run:
                 os.remove(os.path.join(root, OWNER))
-        for registry in (_groups, _stagers, _claims):
+        for registry in (_groups, _stagers, _claims, _base):  # the next run in this process starts afresh
             registry.clear()
 
 # What wait() needs to commit a save; base: the step this run continues from (see _move_aside).
@@ -246,8 +247,8 @@ def wait_pending():  # commit the save in flight, if any (on every rank)
 
 # ---- save, step by step ----
 
-# flat: {DCP key: value}; skeletons: {extra: its state but its DTensors}; like: {extra: {path of a DTensor:
-# the parameter it is laid out like}}; optimizer: see _optimizer_summary().
+# flat: {DCP key: value}; skeletons: {extra: its state but its DTensors}; like: {extra: {key of a DTensor: the
+# parameter it is laid out like}}; optimizer: see _optimizer_summary().
 Collected = collections.namedtuple("Collected", "flat skeletons like optimizer")
 
 def _collect(model, optimizers, extra, rng, meta):  # step 1
@@ -263,20 +264,17 @@ def _collect(model, optimizers, extra, rng, meta):  # step 1
     for name, obj in _extras(extra, rng).items():
         like[name] = {}
 
-        def leaf(path, value):
+        def leaf(key, value):  # key: extra.<name>.<path in its state>
             if not isinstance(value, DTensor):
-                return _restorable(f"extra {name!r}: {path}", value)
+                return _restorable(key, value)
             if _layout(value) not in fqn_of_layout:
-                raise CheckpointError(f"extra {name!r}: {path} is a DTensor laid out like no parameter of the model "
+                raise CheckpointError(f"{key} is a DTensor laid out like no parameter of the model "
                                       f"({value.placements}, shape {tuple(value.shape)}): load() could not place it")
-            flat[f"extra.{name}{path}"] = value  # under a key of its own, so that DCP saves each rank's shard
-            like[name][path] = fqn_of_layout[_layout(value)]
+            flat[key] = value  # under a key of its own, so that DCP saves each rank's shard
+            like[name][key] = fqn_of_layout[_layout(value)]
             return None  # its place in the skeleton
 
-        try:
-            skeletons[name] = _walk(obj.state_dict(), leaf)
-        except CheckpointError as e:  # a refused key: name its extra too
-            raise CheckpointError(e if str(e).startswith("extra ") else f"extra {name!r}: {e}") from None
+        skeletons[name] = _walk(obj.state_dict(), leaf, f"extra.{name}")
     return Collected(flat, skeletons, like, _optimizer_summary(optimizers, _param_names(model, model_sd)))
 
 def _walk(value, leaf, path=""):
@@ -345,7 +343,7 @@ def _prepare(root, step):  # step 3, rank 0
 
 def _check_shared(group, path):
     # A rank that cannot see what rank 0 made has a node-local root: a save would scatter its shards over disks.
-    unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage every rank shares"
+    unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage shared by every rank"
     _check_all(unseen, group, "shared storage check")
 
 def _write(state, tmp, group):
@@ -407,7 +405,7 @@ def _unique(root, prefix, step):
 # ---- load, step by step ----
 
 # request: what dcp.load() reads into; live: the model's and optimizers' state; names: {parameter: its names};
-# without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key, DTensor paths)}.
+# without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key, DTensor keys)}.
 Plan = collections.namedtuple("Plan", "request live names without extras")
 
 def _choose(path):  # step 2, rank 0
@@ -456,8 +454,8 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
                                   "resume at that size, or make its state_dict() the same on every rank")
         skeleton = f"rank.{dist.get_rank()}.extra.{name}" if entry["per_rank"] else f"extra.{name}"
         request[skeleton] = _empty_like(saved[skeleton], None)
-        for path, fqn in entry["like"].items():
-            request[f"extra.{name}{path}"] = _empty_like(saved[f"extra.{name}{path}"], model_sd.get(fqn))
+        for key, fqn in entry["like"].items():
+            request[key] = _empty_like(saved[key], model_sd.get(fqn))
         extras[name] = (obj, skeleton, list(entry["like"]))
     if set(manifest["extra"]) - set(extras) and dist.get_rank() == 0:
         log.warning("not restored from %s: %s (not passed to load(), or per rank at another world size)", ckpt_dir,
@@ -501,9 +499,9 @@ def _restore(plan, model, optimizers, saved_summary):
     """Steps 5-6, after dcp.load(): hand the values to the extras, the model and the optimizers (user code runs),
     then check that every parameter's optimizer state has the keys and step it was saved with."""
     values = {**plan.live, **plan.request}  # with the placeholders of parameters saved without optimizer state
-    for name, (obj, skeleton, paths) in plan.extras.items():
-        dtensors = {path: values[f"extra.{name}{path}"] for path in paths}
-        obj.load_state_dict(_walk(values[skeleton], lambda path, value: dtensors.get(path, value)))
+    for name, (obj, skeleton, dtensor_keys) in plan.extras.items():
+        dtensors = {key: values[key] for key in dtensor_keys}
+        obj.load_state_dict(_walk(values[skeleton], lambda key, value: dtensors.get(key, value), f"extra.{name}"))
     model_sd = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     if not optimizers:
         set_model_state_dict(model, model_sd, options=SD_OPTIONS)
@@ -743,7 +741,8 @@ def _claim(root):
             who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
             raise CheckpointError(f"{root} is in use by another run ({who}): stop it or use another root; if that "
                                   f"run is gone (it crashed on another host), delete {path}. (load() takes no claim.)")
-        log.warning("taking over %s from %s: its run is gone", root, owner)
+        why = "its process is gone" if dead else "this job, requeued" if same_job else "it is half-written"
+        log.warning("taking over %s from %s: %s", root, owner, why)
         os.remove(path)
     try:  # "x": create-exclusive, atomic on local file systems and NFS v3+ (flock is not reliable on NFS)
         with open(path, "x") as f:

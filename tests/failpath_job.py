@@ -1,12 +1,13 @@
 """The failure paths of issue 12, run as one 2-rank job: scenario after scenario, each in its own root.
 
     torchrun --standalone --nproc-per-node 2 tests/failpath_job.py OUT WORK [--live-root R] [--only NAME ...]
-    torchrun --standalone --nproc-per-node 2 tests/failpath_job.py OUT WORK --holder R
+                                                                   [--skip NAME ...]
 
 Each rank writes OUT/results.<rank>.json after every scenario: {name: figures}, where a call expected to fail
 records the exception type, its message and the seconds it took on this rank. tests/test_failpaths.py asserts
-them. --holder claims root R, saves step 1, writes OUT/ready and keeps the claim until OUT/release exists (a
-live run); the main job, given --live-root R, tries to use R as a second run (the test writes OUT/release).
+them. With --live-root R the job is also a live run holding R: early on it claims R, saves step 1 and writes
+R.ready; the test then launches train_fsdp.py on R (a second live run, to be refused) and writes R.release when
+it is done; at the end this job saves step 2 on R and closes (releasing R).
 
 A scenario that runs past SCENARIO_LIMIT seconds (a rank waiting out the hour-long checkpoint timeout) is
 recorded as hung and the job exits at once: the test then fails naming it, instead of the harness timing out.
@@ -20,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,18 +38,22 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 import ckpt  # noqa: E402
 
 HOUR = 3600  # the checkpoint timeout of every injected failure: no rank may come near it
-SCENARIO_LIMIT = 45
+SCENARIO_LIMIT = 60
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("work")
-p.add_argument("--holder", default=None)
 p.add_argument("--live-root", default=None)
 p.add_argument("--only", nargs="*", default=None)
+p.add_argument("--skip", nargs="*", default=[])
 args = p.parse_args()
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 RANK = dist.get_rank()
 os.makedirs(args.out, exist_ok=True)
+_pid0 = [os.getpid()]
+dist.broadcast_object_list(_pid0, src=0)
+PID0 = _pid0[0]  # rank 0's pid: the pid a claim of this run names
+HOST = socket.gethostname()
 
 
 class Lines(logging.Handler):
@@ -59,6 +65,12 @@ class Lines(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+    def take(self, *phrases):
+        """The lines since the last take() that contain any of phrases; clears the buffer."""
+        lines = [ln for ln in self.lines if any(p in ln for p in phrases)]
+        self.lines.clear()
+        return lines
 
 
 LOG = Lines()
@@ -117,6 +129,15 @@ def listing(root):
     return sorted(os.listdir(root)) if os.path.isdir(root) else []
 
 
+def live_steps(root):
+    return [n for n in listing(root) if n.startswith("step-")]
+
+
+def abandoned(root):
+    """{step: name} of the steps moved aside under root."""
+    return {int(n.split("-")[2]): n for n in listing(root) if n.startswith(ckpt.ABANDONED)}
+
+
 def expect_failure(fn):
     """Call fn with every rank starting together; record how it ended and how long this rank took."""
     dist.barrier()
@@ -129,20 +150,29 @@ def expect_failure(fn):
 
 
 class patched:
-    """Replace ckpt.<name> (or ckpt.<Class>.<name>) on one rank only; the others run the real thing."""
+    """Replace ckpt.<dotted name> (a function of ckpt, of a module or class it uses) on one rank (on_rank=None:
+    on every rank); the other ranks run the real thing. ckpt.zlib.crc32 and ckpt.os.makedirs patch those modules
+    for the whole process, while the call runs."""
 
     def __init__(self, name, on_rank, fake):
-        *owner, self.attr = name.split(".")
-        self.owner = getattr(ckpt, owner[0]) if owner else ckpt
-        self.on, self.fake = on_rank, fake
+        *path, self.attr = name.split(".")
+        self.owner = ckpt
+        for part in path:
+            self.owner = getattr(self.owner, part)
+        self.mine, self.fake = on_rank is None or RANK == on_rank, fake
 
     def __enter__(self):
-        self.real = self.owner.__dict__[self.attr]
-        if RANK == self.on:
+        self.own = self.attr in vars(self.owner)  # else inherited: restored by deleting ours
+        self.real = vars(self.owner).get(self.attr)
+        if self.mine:
             setattr(self.owner, self.attr, self.fake)
 
     def __exit__(self, *exc):
-        setattr(self.owner, self.attr, self.real)
+        if self.mine:
+            if self.own:
+                setattr(self.owner, self.attr, self.real)
+            else:
+                delattr(self.owner, self.attr)
 
 
 def raiser(exc):
@@ -154,8 +184,8 @@ def raiser(exc):
 def recover(root, model, opt, extra, step, load_too=False, reload_first=False):
     """A normal save (and load) on the same ranks right after a failure: healthy ranks must not stay broken.
 
-    reload_first: after a failed load the model may hold part of the checkpoint on some ranks (ckpt's
-    docstring says so); the recovery a user does is to load again, before training or saving."""
+    reload_first: after a failed load the model may hold part of the checkpoint on some ranks; the recovery a
+    user does is to load again, before training or saving."""
     dist.barrier()
     t0 = time.monotonic()
     out = {}
@@ -172,48 +202,59 @@ def recover(root, model, opt, extra, step, load_too=False, reload_first=False):
     return out
 
 
+def copy_steps(src, dst, steps):
+    """Rank 0 copies committed steps of src into dst: checkpoints written by another run (no claim in dst)."""
+    dist.barrier()
+    if RANK == 0:
+        os.makedirs(dst, exist_ok=True)
+        for s in steps:
+            shutil.copytree(ckpt.step_dir(src, s), ckpt.step_dir(dst, s))
+    dist.barrier()
+
+
 # ------------------------------------------------------------------------------------------ 1. rollback
 
 
 def rollback(root, keep, new_run):
-    """Save 1..4 (keep=3), load the step-2 dir explicitly, train differently, save 3 and 4 with `keep`;
-    load(root) into a fresh model in between."""
+    """Save 1..4, load the step-2 dir explicitly, train differently, save 3 and 4 with `keep`; load(root) into a
+    fresh model in between; at the end, load each moved-aside step by its path."""
     model, opt = make()
     saved_weights = {}
     for s in range(1, 5):
         train(model, opt, s)
-        ckpt.save(root, s, model, opt, keep=3, timeout=HOUR)
+        ckpt.save(root, s, model, opt, timeout=HOUR)
         saved_weights[s] = weights(model)
-    old3 = ckpt.read_manifest(os.path.join(root, "step-00000003"))
     if new_run:
-        ckpt.close()  # the first run ends here; what follows is the relaunched one (a new run id)
+        ckpt.close()  # the first run ends here; what follows is the relaunched one
         model, opt = make(seed=5)
     got = ckpt.load(os.path.join(root, "step-00000002"), model, opt, timeout=HOUR)
     train(model, opt, 100)  # the new branch: different data after step 2
     branch = weights(model)
-    out = {"loaded": got, "branch_weights": branch, "old3_weights": saved_weights[3]}
-    r = expect_failure(lambda: out.update(saved=os.path.basename(ckpt.save(root, 3, model, opt, keep=keep,
-                                                                          timeout=HOUR))))
-    out["save3"] = r
+    out = {"loaded": got, "branch_weights": branch, "old_weights": saved_weights}
+    LOG.take()
+    out["save3"] = expect_failure(lambda: out.update(saved=os.path.basename(ckpt.save(root, 3, model, opt, keep=keep,
+                                                                                      timeout=HOUR))))
+    out["moved_at_save3"] = LOG.take("moved aside")
     out["after_save3"] = listing(root)
     out["found"] = os.path.basename(ckpt.find_checkpoint(root) or "")
     out["committed_steps"] = ckpt.committed_steps(root)
-    aside = [n for n in listing(root) if n.startswith(".abandoned-step-00000003-")]
-    out["aside"] = [{"name": n, **{k: ckpt.read_manifest(os.path.join(root, n))[k] for k in ("step", "seq")}}
-                    for n in aside]
-    out["old3_seq"] = old3["seq"]
-    if r["raised"] is None:
-        new3 = ckpt.read_manifest(os.path.join(root, "step-00000003"))
-        out["new3"] = {"seq": new3["seq"], "parent": new3.get("parent")}
+    if out["save3"]["raised"] is None:
         fresh, fresh_opt = make(seed=9)
         out["reloaded"] = ckpt.load(root, fresh, fresh_opt, timeout=HOUR)
         out["reloaded_weights"] = weights(fresh)
-        # The new branch goes on: step 4 exists on the abandoned branch too.
-        train(model, opt, 101)
-        r4 = expect_failure(lambda: ckpt.save(root, 4, model, opt, keep=keep, timeout=HOUR))
-        out["save4"] = r4
+        train(model, opt, 101)  # the new branch goes on: step 4 was on the old branch too
+        LOG.take()
+        out["save4"] = expect_failure(lambda: ckpt.save(root, 4, model, opt, keep=keep, timeout=HOUR))
+        out["moved_at_save4"] = LOG.take("moved aside")
         out["after_save4"] = listing(root)
         out["found_after_save4"] = os.path.basename(ckpt.find_checkpoint(root) or "")
+        out["new4_weights"] = weights(model)
+        # The old branch is intact where it was moved: each step loads by its path, with its old weights.
+        out["aside_loads"] = {}
+        for step, name in sorted(abandoned(root).items()):
+            fresh, fresh_opt = make(seed=10 + step)
+            loaded = ckpt.load(os.path.join(root, name), fresh, fresh_opt, timeout=HOUR)
+            out["aside_loads"][step] = [loaded, weights(fresh)]
     return out
 
 
@@ -221,24 +262,44 @@ def scen_rollback_same_run(root):
     return rollback(root, keep=3, new_run=False)
 
 
-def scen_rollback_keep1(root):
+def scen_rollback_new_run(root):
     return rollback(root, keep=1, new_run=True)
 
 
-def scen_rollback_new_run(root):
-    return rollback(root, keep=3, new_run=True)
-
-
-def scen_same_step_twice(root):
-    """Without a rollback, a step this run's state descends from is never overwritten or moved aside."""
+def scen_same_or_older_step(root):
+    """Without a rollback, save() of the step this run loaded or committed does nothing; an older one is refused."""
     model, opt = make()
     for s in (1, 2):
         train(model, opt, s)
         ckpt.save(root, s, model, opt, timeout=HOUR)
     train(model, opt, 3)
-    return {"again": expect_failure(lambda: ckpt.save(root, 2, model, opt, timeout=HOUR)),
-            "older": expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR)),
-            "listing": listing(root)}
+    step2 = ckpt.step_dir(root, 2)
+    before = {n: os.stat(os.path.join(step2, n)).st_mtime_ns for n in listing(step2)}
+    inode = os.stat(step2).st_ino
+    LOG.take()
+    out = {}
+    out["again"] = expect_failure(lambda: out.update(again_path=ckpt.save(root, 2, model, opt, timeout=HOUR)))
+    out["again_log"] = LOG.take("nothing to save")
+
+    def async_again():
+        pending = ckpt.save(root, 2, model, opt, async_save=True, timeout=HOUR)
+        out.update(async_done=pending.done(), async_path=pending.wait())
+
+    out["async_again"] = expect_failure(async_again)
+    out["older"] = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR))
+    out["step2_untouched"] = (os.stat(step2).st_ino == inode
+                              and before == {n: os.stat(os.path.join(step2, n)).st_mtime_ns for n in listing(step2)})
+    out["listing"] = listing(root)
+    # After a load, the loaded step is the one "this run continues from": saving it again does nothing either.
+    fresh, fresh_opt = make(seed=3)
+    out["loaded"] = ckpt.load(ckpt.step_dir(root, 1), fresh, fresh_opt, timeout=HOUR)
+    LOG.take()
+    out["after_load"] = expect_failure(lambda: out.update(after_load_path=ckpt.save(root, 1, fresh, fresh_opt,
+                                                                                    timeout=HOUR)))
+    out["after_load_log"] = LOG.take("nothing to save")
+    out["listing_end"] = listing(root)
+    out["root"] = root
+    return out
 
 
 def scen_find_ignores_abandoned(root):
@@ -271,15 +332,26 @@ def owner_file(root):
         return None
 
 
-def fake_owner(root, host, pid, age):
-    """Rank 0 writes another run's claim, last refreshed `age` seconds ago (atomically: ranks read it)."""
+def owner_bytes(root):
+    try:
+        with open(os.path.join(root, ckpt.OWNER), "rb") as f:
+            return f.read().decode()
+    except FileNotFoundError:
+        return None
+
+
+FOREIGN_RUN = "feedfacefeedface"
+
+
+def fake_owner(root, host, pid, age, job="4242", text=None):
+    """Rank 0 writes another run's claim, `age` seconds old (atomically: ranks read it); text: raw content."""
     dist.barrier()
     if RANK == 0:
         os.makedirs(root, exist_ok=True)
         path = os.path.join(root, ckpt.OWNER)
         with open(path + ".new", "w") as f:
-            json.dump({"run": "feedfacefeedface", "host": host, "pid": pid, "job": "4242",
-                       "started": "2020-01-01T00:00:00+00:00"}, f)
+            f.write(text if text is not None else json.dumps({"run": FOREIGN_RUN, "host": host, "pid": pid, "job": job,
+                                                              "started": "2020-01-01T00:00:00+00:00"}))
         t = time.time() - age
         os.utime(path + ".new", (t, t))
         os.replace(path + ".new", path)
@@ -292,63 +364,245 @@ def dead_pid():
     return proc.pid
 
 
-def scen_second_live_run(root):
-    """args.live_root is held by the --holder job: check_root, save and load must be refused, its files kept."""
+LIVE = {}  # the live run's model and optimizer, for live_goes_on()
+
+
+def scen_hold_live(root):
+    """This job becomes the live run on args.live_root: it claims it and saves step 1, then tells the test."""
     root = args.live_root
-    before = listing(root)
     model, opt = make()
-    out = {"holder_owner": owner_file(root), "before": before,
+    ckpt.check_root(root, timeout=HOUR)
+    train(model, opt, 1)
+    out = {"save1": os.path.basename(ckpt.save(root, 1, model, opt, timeout=HOUR)), "owner": owner_file(root),
+           "my_pid": PID0, "listing": listing(root)}
+    dist.barrier()
+    if RANK == 0:
+        open(root + ".ready", "w").close()
+    LIVE["model"] = model, opt
+    return out
+
+
+def live_goes_on():
+    """After the second run was refused: this run still saves to its root, and close() releases it."""
+    root = args.live_root
+    waited = time.monotonic()
+    deadline = time.monotonic() + 240  # every rank polls: none waits in a collective past its timeout
+    while not os.path.exists(root + ".release") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    released = [os.path.exists(root + ".release")]
+    dist.broadcast_object_list(released, src=0)  # rank 0's verdict
+    model, opt = LIVE["model"]
+    train(model, opt, 2)
+    out = {"released": released[0], "waited_secs": round(time.monotonic() - waited, 1), "before": listing(root),
+           "owner_before": owner_file(root)}
+    out["save2"] = expect_failure(lambda: out.update(path2=os.path.basename(ckpt.save(root, 2, model, opt,
+                                                                                      timeout=HOUR))))
+    out["committed"] = ckpt.committed_steps(root)
+    out["owner_after_save"] = owner_file(root)
+    return out
+
+
+def scen_foreign_live_claim(root):
+    """A live run of another process on this host holds root (its claim refreshed): check_root() and save() are
+    refused naming it; load() of the root and of a step directory claims nothing and works."""
+    src = root + "-src"
+    model, opt = make()
+    train(model, opt, 1)
+    ckpt.save(src, 1, model, opt, timeout=HOUR)
+    saved = weights(model)
+    copy_steps(src, root, [1])
+    other = os.getppid()  # torchrun's agent: alive, on this host, not us
+    fake_owner(root, HOST, other, age=0)
+    stop = threading.Event()
+
+    def refresh(path=os.path.join(root, ckpt.OWNER)):
+        while not stop.wait(0.2):
+            os.utime(path)
+
+    if RANK == 0:  # the live owner refreshes its claim, as ckpt's refresher does
+        threading.Thread(target=refresh, daemon=True).start()
+    before, owner_before = listing(root), owner_bytes(root)
+    fresh, fresh_opt = make(seed=4)
+    out = {"other_pid": other, "owner": owner_file(root), "listing_before": before,
            "check_root": expect_failure(lambda: ckpt.check_root(root, timeout=HOUR)),
-           "save": expect_failure(lambda: ckpt.save(root, 5, model, opt, timeout=HOUR)),
-           "load": expect_failure(lambda: ckpt.load(root, model, opt, timeout=HOUR)),
-           "after": listing(root)}
+           "save": expect_failure(lambda: ckpt.save(root, 5, model, opt, timeout=HOUR))}
+    out["load_root"] = expect_failure(lambda: out.update(step_root=ckpt.load(root, fresh, None, timeout=HOUR)))
+    out["weights_root"] = weights(fresh)
+    fresh, fresh_opt = make(seed=5)
+    out["load_dir"] = expect_failure(lambda: out.update(step_dir=ckpt.load(ckpt.step_dir(root, 1), fresh, None,
+                                                                           timeout=HOUR)))
+    out["load_with_opt"] = expect_failure(lambda: out.update(step_opt=ckpt.load(root, fresh, fresh_opt,
+                                                                                timeout=HOUR)))
+    out["weights_dir"], out["saved_weights"] = weights(fresh), saved
+    dist.barrier()
+    out["owner_unchanged"] = owner_bytes(root) == owner_before
+    out["listing_after"] = listing(root)
+    stop.set()
+    return out
+
+
+def scen_own_pid_owner(root):
+    """A claim naming this host and our own pid, with another run id (an earlier life of a restarted container
+    whose pids repeat): that process is gone, so the claim is taken over at once, not refused."""
+    fake_owner(root, HOST, PID0, age=0)
+    LOG.take()
+    out = {"fake": owner_file(root), "my_pid": PID0,
+           "check_root": expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))}
+    out["log"] = LOG.take("taking over")
+    out["owner"] = owner_file(root)
+    model, opt = make()
+    out["save"] = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR))
+    out["committed"] = ckpt.committed_steps(root)
+    return out
+
+
+def scen_training_claims(root):
+    """Training still claims: load() of another run's checkpoints takes no claim, the save after it does; a fresh
+    run (nothing loaded) moves every live step aside at its first commit; a run whose claim was taken over
+    fails its next save ("lost its claim")."""
+    src = root + "-src"
+    model, opt = make()
+    for s in (1, 2):
+        train(model, opt, s)
+        ckpt.save(src, s, model, opt, timeout=HOUR)
+    copy_steps(src, root, [1, 2])
+    fresh_root = root + "-fresh"
+    copy_steps(src, fresh_root, [1, 2])
+    out = {"owner_initially": owner_file(root)}
+    model, opt = make(seed=2)
+    out["loaded"] = ckpt.load(root, model, opt, timeout=HOUR)
+    out["owner_after_load"] = owner_file(root)
+    train(model, opt, 3)
+    out["save3"] = expect_failure(lambda: ckpt.save(root, 3, model, opt, timeout=HOUR))
+    out["owner_after_save"] = owner_file(root)
+    out["check_root"] = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
+    out["owner_after_check_root"] = owner_file(root)
+    out["listing"] = listing(root)
+    out["my_pid"], out["host"] = PID0, HOST
+    # A fresh run on a root holding another run's steps: nothing loaded there, so nothing there is continued.
+    out["fresh_check_root"] = expect_failure(lambda: ckpt.check_root(fresh_root, timeout=HOUR))
+    out["fresh_owner"] = owner_file(fresh_root)
+    LOG.take()
+    out["fresh_save"] = expect_failure(lambda: ckpt.save(fresh_root, 1, model, opt, timeout=HOUR))
+    out["fresh_moved"] = LOG.take("moved aside")
+    out["fresh_listing"] = listing(fresh_root)
+    # Another run takes the claim over (say, it judged ours stale): our next save must fail, not write beside it.
+    fake_owner(root, "elsewhere", 4242, age=0)
+    train(model, opt, 4)
+    out["lost"] = expect_failure(lambda: ckpt.save(root, 4, model, opt, timeout=HOUR))
+    out["owner_after_lost"] = owner_file(root)
+    out["listing_after_lost"] = listing(root)
     return out
 
 
 def scen_dead_owner(root):
     """Same host, pid gone: taken over at once (logged); only the dead run's temporaries are removed."""
-    fake_owner(root, socket.gethostname(), dead_pid(), age=0)
+    fake_owner(root, HOST, dead_pid(), age=0)
     if RANK == 0:
         os.makedirs(os.path.join(root, ".tmp-step-00000009-deadbeef"))
         open(os.path.join(root, ".tmp-step-00000009-deadbeef", "__0_0.distcp"), "w").close()
         open(os.path.join(root, ".nfs1234"), "w").close()
         os.makedirs(os.path.join(root, "lost+found"))
     dist.barrier()
-    LOG.lines.clear()
+    LOG.take()
     r = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
-    took_over = [ln for ln in LOG.lines if "taking over" in ln]
+    log_lines = LOG.take("taking over", "removed")
     after_check = listing(root)
     model, opt = make()
     saved = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR))
-    return {"check_root": r, "log": took_over, "owner": owner_file(root), "my_pid": os.getpid(),
+    return {"check_root": r, "log": log_lines, "owner": owner_file(root), "my_pid": PID0,
             "after_check": after_check, "save": saved, "after_save": listing(root)}
 
 
 def scen_stale_owner(root):
-    """Another host's claim: refused while fresh, taken over once older than stale_after (logged)."""
-    fake_owner(root, "elsewhere", 12345, age=0)
-    fresh = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR, stale_after=2))
+    """Another host's claim, even a day old, is refused (the run may live: no heartbeat judges it); a claim of this
+    very job (a requeue: same SLURM_JOB_ID / torchrun run id) is taken over, and so is a half-written one."""
+    fake_owner(root, "elsewhere", 12345, age=86400)
+    old = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
     owner_kept = owner_file(root)
-    fake_owner(root, "elsewhere", 12345, age=10)
-    LOG.lines.clear()
-    stale = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR, stale_after=2))
-    return {"fresh": fresh, "owner_after_refusal": owner_kept, "stale": stale,
-            "log": [ln for ln in LOG.lines if "taking over" in ln], "owner": owner_file(root),
-            "my_pid": os.getpid()}
+    this_job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    fake_owner(root, "elsewhere", 12345, age=0, job=this_job)
+    LOG.take()
+    requeued = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
+    requeue_log, requeue_owner = LOG.take("taking over"), owner_file(root)
+    half_root = root + "-half"  # another root: this job's claim on root stays until close()
+    fake_owner(half_root, "elsewhere", 12345, age=0, text='{"run": "half-wri')
+    half = expect_failure(lambda: ckpt.check_root(half_root, timeout=HOUR))
+    return {"fresh": old, "owner_after_refusal": owner_kept, "stale": requeued, "log": requeue_log,
+            "owner": requeue_owner, "half_written": half, "half_owner": owner_file(half_root), "my_pid": PID0}
 
 
 def scen_foreign_entries(root):
-    """.nfsXXXX and lost+found (a mount point) in a fresh root: not touched, root not refused."""
+    """.nfsXXXX, lost+found (a mount point) and a data file in a fresh root: not touched, root not refused."""
     if RANK == 0:
         os.makedirs(os.path.join(root, "lost+found"))
         open(os.path.join(root, ".nfs0000000001234"), "w").close()
+        with open(os.path.join(root, "train.bin"), "wb") as f:
+            f.write(b"data")
     dist.barrier()
     model, opt = make()
     out = {"check_root": expect_failure(lambda: ckpt.check_root(root, timeout=HOUR)),
-           "save": expect_failure(lambda: ckpt.save(root, 1, model, opt, keep=1, timeout=HOUR)),
-           "save2": expect_failure(lambda: ckpt.save(root, 2, model, opt, keep=1, timeout=HOUR))}
+           "save": expect_failure(lambda: ckpt.save(root, 1, model, opt, keep=1, timeout=HOUR))}
+    train(model, opt, 2)
+    out["save2"] = expect_failure(lambda: ckpt.save(root, 2, model, opt, keep=1, timeout=HOUR))
     out["load"] = expect_failure(lambda: out.update(step=ckpt.load(root, model, opt, timeout=HOUR)))
     out["after"] = listing(root)
+    with open(os.path.join(root, "train.bin"), "rb") as f:
+        out["data_kept"] = f.read() == b"data"
+    return out
+
+
+def advance(root):
+    """Rank 0, as a run writing root would: commit the step after the newest, then retention removes the newest
+    before it (renamed out of sight, then deleted). Returns (removed, committed)."""
+    n = ckpt.committed_steps(root)[-1]
+    tmp = os.path.join(root, f"{ckpt.TMP}step-{n + 1:08d}-c0ffee00")
+    shutil.copytree(ckpt.step_dir(root, n), tmp)
+    with open(os.path.join(tmp, ckpt.MANIFEST)) as f:
+        manifest = json.load(f)
+    with open(os.path.join(tmp, ckpt.MANIFEST), "w") as f:
+        json.dump(dict(manifest, step=n + 1), f)
+    os.rename(tmp, ckpt.step_dir(root, n + 1))
+    trash = os.path.join(root, f"{ckpt.TMP}delete-step-{n:08d}-c0ffee00")
+    os.rename(ckpt.step_dir(root, n), trash)
+    shutil.rmtree(trash)
+    return ckpt.step_dir(root, n), ckpt.step_dir(root, n + 1)
+
+
+def scen_vanished_while_loading(root):
+    """A reader chose the newest step; a run writing the root commits the next one and its retention removes the
+    chosen one before the reader checks its files (or reads .metadata). load() fails on every rank naming the
+    step that vanished and the newest commit; loading again works."""
+    model, opt = make()
+    for s in (1, 2):
+        train(model, opt, s)
+        ckpt.save(root, s, model, opt, timeout=HOUR)
+    saved = weights(model)
+    out = {}
+    for where, name in (("before verify", "verify_files"), ("before .metadata", "read_metadata")):
+        real, marker = getattr(ckpt, name), os.path.join(root + "-signals", name)
+
+        def removed_first(*a, _real=real, _where=where, _marker=marker, **k):
+            if RANK == 0:  # the writer's commit and retention happen now
+                out[f"advanced {_where}"] = advance(root)
+                os.makedirs(os.path.dirname(_marker), exist_ok=True)
+                open(_marker, "w").close()
+            else:  # the other ranks look once it is gone (else they may race the deletion, file by file)
+                deadline = time.monotonic() + 20
+                while not os.path.exists(_marker) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return _real(*a, **k)
+
+        fresh, fresh_opt = make(seed=6)
+        with patched(name, None, removed_first):
+            out[where] = expect_failure(lambda: ckpt.load(root, fresh, fresh_opt, timeout=HOUR))
+    gone = ckpt.step_dir(root, 2)
+    out["explicit"] = expect_failure(lambda: ckpt.load(gone, fresh, fresh_opt, timeout=HOUR))
+    out["explicit_dir"] = gone
+    out["listing"] = listing(root)
+    fresh, fresh_opt = make(seed=7)
+    out["again"] = expect_failure(lambda: out.update(again_step=ckpt.load(root, fresh, fresh_opt, timeout=HOUR)))
+    out["weights_match"] = weights(fresh) == saved
     return out
 
 
@@ -389,12 +643,32 @@ def scen_save_user_state_dict(root):
     return injected(root, 1, "the user's state_dict()", box_fail="state_dict")
 
 
-def scen_load_user_load_state_dict(root):
-    return injected(root, 0, "the user's load_state_dict()", kind="load", box_fail="load_state_dict")
+def scen_save_prepare_rank0(root):
+    return injected(root, 0, "making the step's directory (rank 0)", patch=("os.makedirs", raiser(eio("mkdir"))))
+
+
+def scen_save_shared_storage(root):
+    real = os.path.exists
+    blind = lambda path: False if f"{os.sep}{ckpt.TMP}step-" in str(path) else real(path)  # noqa: E731
+    return injected(root, 1, "seeing the step's directory (a node-local root)", patch=("os.path.exists", blind))
+
+
+def scen_save_write_data(root):
+    return injected(root, 1, "DCP writing this rank's file",
+                    patch=("dcp.FileSystemWriter.write_data", raiser(eio("write shard"))))
 
 
 def scen_save_checksum(root):
-    return injected(root, 1, "checksumming the files this rank writes", patch=("_crc", raiser(eio("checksum"))))
+    return injected(root, 1, "checksumming this rank's files", patch=("zlib.crc32", raiser(eio("checksum"))))
+
+
+def scen_load_choose_rank0(root):
+    return injected(root, 0, "reading the manifest (rank 0)", kind="load",
+                    patch=("read_manifest", raiser(eio("read manifest"))))
+
+
+def scen_load_hash(root):
+    return injected(root, 1, "checksumming at load", kind="load", patch=("zlib.crc32", raiser(eio("checksum"))))
 
 
 def scen_load_read_metadata(root):
@@ -402,22 +676,23 @@ def scen_load_read_metadata(root):
                     patch=("read_metadata", raiser(eio("read .metadata"))))
 
 
+def scen_load_read_data(root):
+    return injected(root, 1, "reading this rank's shards", kind="load",
+                    patch=("SafeReader.read_data", raiser(eio("read shard"))))
+
+
 def scen_load_set_state_dict(root):
     return injected(root, 1, "set_state_dict", kind="load",
                     patch=("set_state_dict", raiser(RuntimeError("set_state_dict broke (injected)"))))
 
 
-def scen_save_prepare_rank0(root):
-    return injected(root, 0, "_prepare on rank 0", patch=("_prepare", raiser(eio("mkdir"))))
-
-
-def scen_save_retain(root):
-    return injected(root, 0, "retention (any exception)", patch=("_retain", raiser(eio("retention"))))
+def scen_load_user_load_state_dict(root):
+    return injected(root, 0, "the user's load_state_dict()", kind="load", box_fail="load_state_dict")
 
 
 def scen_save_stage_async(root):
     """async_save=True and staging (the copy to host memory) fails on rank 1, e.g. out of host memory: rank 0
-    has staged and started its upload. Then an async save, a save and a load on the same ranks."""
+    has staged. Then an async save, a save and a load on the same ranks."""
     model, opt = make()
     train(model, opt, 1)
     ckpt.save(root, 1, model, opt, timeout=HOUR)
@@ -438,21 +713,12 @@ def scen_retention_cannot_delete(root):
     for s in (1, 2):
         train(model, opt, s)
         ckpt.save(root, s, model, opt, keep=2, timeout=HOUR)
-    LOG.lines.clear()
+    LOG.take()
+    train(model, opt, 3)
     with patched("shutil.rmtree", 0, raiser(PermissionError(13, "Permission denied (injected)"))):
         r = expect_failure(lambda: ckpt.save(root, 3, model, opt, keep=2, timeout=HOUR))
-    return {**r, "log": [ln for ln in LOG.lines if "retention" in ln], "committed": ckpt.committed_steps(root),
-            "listing": listing(root), **recover(root, model, opt, None, 4, load_too=True)}
-
-
-def scen_load_hash(root):
-    hasher = "_crc" if hasattr(ckpt, "_crc") else "_checksum"  # whichever hashes bytes at load
-    return injected(root, 1, f"hashing at load ({hasher})", kind="load", patch=(hasher, raiser(eio("checksum"))))
-
-
-def scen_load_read_data(root):
-    return injected(root, 1, "reading this rank's shards", kind="load",
-                    patch=("SafeReader.read_data", raiser(eio("read shard"))))
+    return {**r, "log": LOG.take("retention"), "committed": ckpt.committed_steps(root), "listing": listing(root),
+            **recover(root, model, opt, None, 4, load_too=True)}
 
 
 def mismatch(root, **per_rank):
@@ -462,7 +728,7 @@ def mismatch(root, **per_rank):
     r = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR, **kw))
     ckpt.wait_pending()
     return {**r, "mine": kw, "committed_after_failure": ckpt.committed_steps(root),
-            **recover(root, model, opt, None, 2)}
+            "listing_after_failure": listing(root), **recover(root, model, opt, None, 2)}
 
 
 def scen_args_async_save(root):
@@ -488,7 +754,8 @@ def scen_args_load_rng(root):
 
 
 def scen_big_step(root):
-    """Steps of any size: 10**8 is step-100000000, and it orders and loads like any other."""
+    """Steps of any size: 10**8 is step-100000000 and 10**9 step-1000000000, ordered by number (by name,
+    "step-1000000000" < "step-100000001")."""
     model, opt = make()
     train(model, opt, 1)
     out = {"save": os.path.basename(ckpt.save(root, 10**8, model, opt, timeout=HOUR))}
@@ -501,15 +768,22 @@ def scen_big_step(root):
     fresh, fresh_opt = make(seed=4)
     out["load_root"] = ckpt.load(root, fresh, fresh_opt, timeout=HOUR)
     out["weights_match"] = weights(fresh) == w2
-    ckpt.save(root, 10**9, fresh, fresh_opt, keep=None, timeout=HOUR)
+    train(fresh, fresh_opt, 3)
+    out["save3"] = os.path.basename(ckpt.save(root, 10**9, fresh, fresh_opt, timeout=HOUR))
+    out["found"] = os.path.basename(ckpt.find_checkpoint(root))
+    fresh, fresh_opt = make(seed=5)
+    out["load_newest"] = ckpt.load(root, fresh, fresh_opt, timeout=HOUR)
+    # A rollback from 10**9 to 10**8 + 1: the next save moves step-1000000000 aside, by number.
     out["load_explicit"] = ckpt.load(os.path.join(root, "step-100000001"), fresh, fresh_opt, timeout=HOUR)
+    train(fresh, fresh_opt, 4)
+    out["save4"] = os.path.basename(ckpt.save(root, 10**8 + 2, fresh, fresh_opt, timeout=HOUR))
     out["first_differs"] = w != w2
     out["listing"] = listing(root)
     return out
 
 
 def scen_interrupted_wait(root):
-    """Ctrl-C inside PendingSave.wait(): the save stays in flight, its directory is kept, a later wait commits."""
+    """Ctrl-C inside PendingSave.wait(): the save stays in flight with its directory; the next save commits it."""
     model, opt = make()
     train(model, opt, 1)
     pending = ckpt.save(root, 1, model, opt, async_save=True, timeout=HOUR)
@@ -521,26 +795,26 @@ def scen_interrupted_wait(root):
 
     pending.job.result = interrupted
     r = expect_failure(pending.wait)
-    out = {"wait": r, "in_flight_after": pending in ckpt._in_flight,
+    out = {"wait": r, "path_after_interrupt": pending.path, "committed_after_interrupt": ckpt.committed_steps(root),
            "tmp_after": [n for n in listing(root) if n.startswith(".tmp-step-00000001")]}
     train(model, opt, 2)
     out["save2"] = expect_failure(lambda: out.update(path2=os.path.basename(ckpt.save(root, 2, model, opt,
                                                                                       timeout=HOUR))))
     out["pending_path"] = os.path.basename(pending.path or "")
+    out["wait_again"] = os.path.basename(pending.wait())  # committed: no collective, the same path
     out["committed"] = ckpt.committed_steps(root)
-    out["in_flight_end"] = len(ckpt._in_flight)
     out["listing"] = listing(root)
     return out
 
 
 def scen_timeout_recovery(root):
-    """timeout=2 s, rank 1 arrives 5 s late: both fail; then the next save (same timeout) works on both."""
+    """timeout=2 s, rank 1 arrives 3 s late: both fail; then the next save (same timeout) works on both."""
     model, opt = make()
     ckpt.save(root, 1, model, opt, timeout=2)  # the 2-s group exists, as after any earlier save
 
     def late():
         if RANK == 1:
-            time.sleep(5)
+            time.sleep(3)
         ckpt.save(root, 2, model, opt, timeout=2)
 
     r = expect_failure(late)
@@ -572,7 +846,8 @@ def scen_timeout_first_save(root):
 
 
 def scen_save_after_failed_load(root):
-    """A load that failed on one rank mid-read leaves the ranks' state apart; what save() then commits must load."""
+    """A load that failed on one rank mid-read leaves the ranks' state apart (rank 0 read its shards and the
+    values stored once, rank 1 did not): save() must refuse, naming what differs; a load then repairs it."""
     model, opt = make()
     train(model, opt, 1)
     ckpt.save(root, 1, model, opt, timeout=HOUR)
@@ -580,20 +855,24 @@ def scen_save_after_failed_load(root):
     with patched("SafeReader.read_data", 1, raiser(eio("read shard"))):
         failed = expect_failure(lambda: ckpt.load(root, model, opt, timeout=HOUR))
     steps = sorted({float(st["step"]) for st in opt.state.values()})
-    saved = expect_failure(lambda: ckpt.save(root, 2, model, opt, timeout=HOUR))
-    loaded = expect_failure(lambda: ckpt.load(root, model, opt, timeout=HOUR)) if saved["raised"] is None else None
-    return {"failed_load": failed, "optimizer_steps": steps, "save": saved, "load": loaded,
-            "committed": ckpt.committed_steps(root)}
+    out = {"failed_load": failed, "optimizer_steps": steps,
+           "save": expect_failure(lambda: ckpt.save(root, 2, model, opt, timeout=HOUR)),
+           "committed_after_refusal": ckpt.committed_steps(root)}
+    out.update(recover(root, model, opt, None, 2, load_too=True, reload_first=True))
+    out["committed"] = ckpt.committed_steps(root)
+    return out
 
 
 ORDER = [
-    "second_live_run", "rollback_same_run", "rollback_keep1", "rollback_new_run", "same_step_twice",
-    "find_ignores_abandoned",
-    "dead_owner", "stale_owner", "foreign_entries",
-    "save_user_state_dict", "load_user_load_state_dict", "save_checksum", "load_read_metadata",
-    "load_set_state_dict", "save_prepare_rank0", "save_retain", "retention_cannot_delete",
+    # First: close() (the relaunched run) releases every claim this job holds, the live root's too.
+    "rollback_new_run", "hold_live", "rollback_same_run", "same_or_older_step", "find_ignores_abandoned",
+    "foreign_live_claim", "own_pid_owner", "training_claims", "dead_owner", "stale_owner", "foreign_entries",
+    "vanished_while_loading",
+    "save_user_state_dict", "save_prepare_rank0", "save_shared_storage", "save_write_data", "save_checksum",
+    "load_choose_rank0", "load_hash", "load_read_metadata", "load_read_data", "load_set_state_dict",
+    "load_user_load_state_dict", "retention_cannot_delete",
     "args_async_save", "args_keep", "args_rng", "args_load_rng",
-    "big_step", "interrupted_wait", "load_hash", "load_read_data", "save_after_failed_load",
+    "big_step", "interrupted_wait", "save_after_failed_load",
     "timeout_recovery", "timeout_first_save",
     "save_stage_async",  # last: a hang here (watchdog) loses no other scenario
 ]
@@ -607,63 +886,57 @@ def dump():
     os.replace(path + ".tmp", path)
 
 
-def hung(name):
-    results[name] = {"hung_after_s": SCENARIO_LIMIT}
+def hung(name, limit=SCENARIO_LIMIT):
+    results[name] = {"hung_after_s": limit}
     dump()
     with open(os.path.join(args.out, f"hung.{RANK}.txt"), "w") as f:  # where each thread waits
         faulthandler.dump_traceback(f, all_threads=True)
-    print(f"rank {RANK}: scenario {name} still running after {SCENARIO_LIMIT} s: giving up", flush=True)
+    print(f"rank {RANK}: scenario {name} still running after {limit} s: giving up", flush=True)
     os._exit(3)
 
 
-def holder(root):
-    """A live run on root: it keeps its claim until the main job has tried to use the root."""
-    model, opt = make()
-    ckpt.check_root(root, timeout=HOUR)
-    ckpt.save(root, 1, model, opt, timeout=HOUR)
-    base = os.path.dirname(args.out.rstrip("/"))
-    if RANK == 0:
-        open(os.path.join(base, "ready"), "w").close()
-    deadline = time.monotonic() + 400
-    while not os.path.exists(os.path.join(base, "release")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    dist.barrier()
-    train(model, opt, 2)
-    results["holder"] = {"released": os.path.exists(os.path.join(base, "release")),
-                         "save2": os.path.basename(ckpt.save(root, 2, model, opt, timeout=HOUR)),
-                         "owner_before_close": owner_file(root)}
-    ckpt.close()
-    results["holder"]["owner_after_close"] = owner_file(root)
-    results["holder"]["committed"] = ckpt.committed_steps(root)
+def claims():
+    """{root: its claim} for every claimed root this job used."""
+    roots = [os.path.join(args.work, n) for n in listing(args.work)] + ([args.live_root] if args.live_root else [])
+    return {os.path.basename(r): owner_file(r) for r in roots if owner_file(r)}
+
+
+def wanted(name):
+    return (not args.only or name in args.only) and name not in args.skip
+
+
+def run(name, limit=SCENARIO_LIMIT):
+    timer = threading.Timer(limit, hung, (name, limit))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        results[name] = globals()[f"scen_{name}"](os.path.join(args.work, name))
+    except BaseException as e:  # noqa: B036  (recorded; the test names the scenario)
+        results[name] = {"unexpected": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+    timer.cancel()
+    results[name]["scenario_secs"] = round(time.monotonic() - t0, 2)
     dump()
+    dist.barrier()
 
 
 try:
-    if args.holder:
-        holder(args.holder)
-    else:
-        for name in ORDER:
-            if (args.only and name not in args.only) or (name == "second_live_run" and not args.live_root):
-                continue
-            timer = threading.Timer(SCENARIO_LIMIT, hung, (name,))
-            timer.start()
-            t0 = time.monotonic()
-            try:
-                results[name] = globals()[f"scen_{name}"](os.path.join(args.work, name))
-            except BaseException as e:  # noqa: B036  (recorded; the test names the scenario)
-                results[name] = {"unexpected": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-            timer.cancel()
-            results[name]["scenario_secs"] = round(time.monotonic() - t0, 2)
-            dump()
-            dist.barrier()
-        # Every claim in the work dir is this job's by now (the fake ones were taken over).
-        claimed = lambda: sorted(n for n in os.listdir(args.work) if owner_file(os.path.join(args.work, n)))  # noqa
-        dist.barrier()
-        results["close"] = {"claimed_before": claimed()}
-        ckpt.close()
-        dist.barrier()
-        results["close"]["claimed_after"] = claimed()
-        dump()
+    t_job = time.monotonic()
+    for name in ORDER:
+        if wanted(name) and (name != "hold_live" or args.live_root):
+            run(name)
+    if "model" in LIVE:
+        timer = threading.Timer(SCENARIO_LIMIT + 240, hung, ("live_goes_on",))
+        timer.start()
+        results["live_goes_on"] = live_goes_on()
+        timer.cancel()
+    dist.barrier()
+    results["close"] = {"claims_before": claims(), "my_pid": PID0}
+    ckpt.close()
+    dist.barrier()
+    results["close"]["claims_after"] = claims()
+    results["job_secs"] = round(time.monotonic() - t_job, 1)
+    dump()
+    ckpt.close()
 finally:
     dist.barrier()
     gc.collect()  # the scenarios' FSDP2 models hold the process group: free them before the teardown (README)

@@ -1,63 +1,75 @@
 """Fault injection: crashes, failing or slow storage, preemption, misuse, damaged and hostile checkpoints.
 
-Each test injects one fault into real torchrun jobs (CPU, gloo, 2 ranks) and checks
-what the field needs to be true afterwards: the newest *committed* checkpoint is
-what a resume uses, the loss curve from there equals the uninterrupted run bit for
-bit, every rank reports a failure in bounded time with the rank and the cause, and
-nothing from a checkpoint file runs as code. Faults in train_fsdp.py runs are
-injected by tests/inject.py, which patches ckpt/DCP from outside the shipped files.
+Each test injects a fault into real 2-rank jobs (CPU, gloo) and checks what the field needs to be true afterwards:
+the newest *committed* checkpoint is what a resume uses, the loss curve from there equals the uninterrupted run bit
+for bit, every rank reports a failure in bounded time with the rank and the cause, and nothing from a checkpoint
+file runs as code. Faults in train_fsdp.py runs are injected by tests/inject.py, which patches DCP / ckpt from
+outside the shipped files and proves each fault fired (FAULT_DIR/fired.<rank>).
+
+Speed: ranks are forked from warm processes (tests/launch.py) instead of torchrun, and runs are chained where a
+scenario allows: the resume after one kill is the run the next kill hits, and the run after the last fault goes to
+the end, so each kill point's resume is checked (newest commit, bit-exact losses) by the link that follows it.
 
     python -m pytest -q -s tests/test_faults.py
 """
 
-import hashlib
+import collections
 import json
 import os
 import pickle
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import zlib
 
 import pytest
 
-import ckpt
-from tests.harness import REPO, SMALL, read_log, torchrun
+from tests import launch  # first: its warm rank processes import torch while this one does
+
+import ckpt  # noqa: E402
+from tests.harness import REPO, SMALL, read_log  # noqa: E402
 
 INJECT = os.path.join(REPO, "tests", "inject.py")
+TRAIN = os.path.join(REPO, "train_fsdp.py")
 STEPS = 8
+# SMALL with one layer (argparse keeps the last --n-layers): DCP's cost grows with the number of tensors.
 # keep=1: a single good checkpoint at a time, so a retention that ran too early would leave none.
-COMMON = SMALL + ["--steps", str(STEPS), "--save-every", "2", "--keep", "1", "--dropout", "0.1", "--seed", "7",
-                  "--timeout", "60", "--ckpt-timeout", "60"]
-KILL_STEP = 6  # the save the kill hits; step 4 is then the newest committed checkpoint
+COMMON = SMALL + ["--n-layers", "1", "--steps", str(STEPS), "--save-every", "2", "--keep", "1", "--dropout", "0.1",
+                  "--seed", "7", "--timeout", "60", "--ckpt-timeout", "60"]
+
+Run = collections.namedtuple("Run", "rc rcs out ev secs")
 
 
-def fault_run(d, fault, rank, step, args, delay=0.0, timeout=120):
-    """One torchrun job of train_fsdp.py under tests/inject.py; returns (rc, output, evidence, seconds)."""
-    ev = d / "evidence"
-    ev.mkdir(exist_ok=True)
+def fault_run(d, name, fault, rank, step, args, delay=0.0, timeout=90):
+    """One 2-rank job of train_fsdp.py under tests/inject.py; evidence in d/<name>/."""
+    ev = d / name
+    ev.mkdir()
     env = dict(os.environ, FAULT=fault, FAULT_RANK=str(rank), FAULT_STEP=str(step), FAULT_DELAY=str(delay),
                FAULT_DIR=str(ev))
     t0 = time.monotonic()
-    rc, out = torchrun(args, script=INJECT, env=env, check=False, timeout=timeout)
-    return rc, out, evidence(ev), time.monotonic() - t0
+    job = launch.start([INJECT, *args], env=env, out=ev / "output.txt")
+    rc, out = job.wait(timeout)
+    return Run(rc, job.rcs, out, evidence(ev), time.monotonic() - t0)
 
 
 def evidence(ev):
     """{"error.1": text, "fired.0": text, ...}: what each rank of a fault run left behind."""
-    return {p.name: p.read_text() for p in sorted(ev.iterdir())}
+    return {p.name: p.read_text() for p in sorted(ev.iterdir()) if p.name != "output.txt" and p.suffix != ".part"}
 
 
 def on_disk(root):
-    """(committed steps, leftover temp entries); every committed checkpoint must pass its checksums."""
+    """(committed steps, leftover temporary entries); every committed checkpoint must pass its checksums."""
     steps = ckpt.committed_steps(str(root))
     for s in steps:
         path = ckpt.step_dir(str(root), s)
         assert ckpt.verify_files(path, ckpt.read_manifest(path)) == [], f"committed {path} does not verify"
-    return steps, sorted(n for n in os.listdir(root) if n.startswith(ckpt.TMP_PREFIX))
+    return steps, sorted(n for n in os.listdir(root) if n.startswith(ckpt.TMP))
+
+
+def unsuffixed(names):
+    """Temporary names without their unique suffix (.tmp-step-00000006-1a2b3c4d -> .tmp-step-00000006)."""
+    return [n.rsplit("-", 1)[0] for n in names]
 
 
 def resumed_step(out):
@@ -67,200 +79,256 @@ def resumed_step(out):
 
 
 def assert_same_losses(reference, log, steps):
-    """Bit-exact: the same float for every step (== on the float, not a tolerance)."""
+    """Bit-exact: the same float for every step (== on the float, not a tolerance); returns max |dloss|."""
     assert sorted(log) == list(steps), f"logged steps {sorted(log)}, expected {list(steps)}"
     for s in steps:
         assert log[s]["loss"] == reference[s]["loss"], f"step {s}: loss {log[s]['loss']!r} != {reference[s]['loss']!r}"
-        assert log[s]["lr"] == reference[s]["lr"], f"step {s}: lr differs"
+        assert log[s]["lr"] == reference[s]["lr"] and log[s]["samples"] == reference[s]["samples"], f"step {s}"
     return max(abs(log[s]["loss"] - reference[s]["loss"]) for s in steps)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run (keep=2, so its steps 6 and 8 also serve the corruption tests)."""
+    """The uninterrupted run (keep=2, so its steps 6 and 8 also serve the damaged-checkpoint tests)."""
     d = tmp_path_factory.mktemp("reference")
-    torchrun(COMMON + ["--keep", "2", "--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl")])
+    t0 = time.monotonic()
+    launch.run([TRAIN, *COMMON, "--keep", "2", "--ckpt-dir", d / "ckpt", "--log-file", d / "log.jsonl"])
     log = read_log(d / "log.jsonl")
+    print(f"\nreference run: {STEPS} steps in {time.monotonic() - t0:.1f} s (the first job also warms the launcher)")
     assert sorted(log) == list(range(1, STEPS + 1))
+    assert log[STEPS]["loss"] < log[1]["loss"] - 0.3, "the loss must fall for the comparisons to mean anything"
     assert ckpt.committed_steps(str(d / "ckpt")) == [6, 8]
     return {"log": log, "ckpt": d / "ckpt"}
 
 
 # ---------------------------------------------------------------------------
-# 1. SIGKILL of one rank at each point of a save
+# 1-2. SIGKILL of a rank at each point of a save, and ENOSPC on one rank: one chain of runs on one root
 # ---------------------------------------------------------------------------
 
-# fault, killed rank, committed steps right after the kill, leftover temp entry
-KILLS = [
-    ("kill_before_write", 1, [4], ".tmp-step-00000006"),    # temp dir made, no byte of rank 1's shard
-    ("kill_mid_write", 1, [4], ".tmp-step-00000006"),       # rank 1's shard torn at 256 KiB
-    ("kill_before_commit", 0, [4], ".tmp-step-00000006"),   # every file and the manifest written, not renamed
-    ("kill_after_commit", 0, [4, 6], None),                 # renamed, retention (keep=1) never ran
-    ("kill_mid_retain", 0, [6], ".tmp-delete-step-00000004"),  # step 4 half deleted
+# fault, rank, the save it hits, committed steps right after, leftover temp entry. Each run resumes from the
+# newest commit the one before left; the run after the last fault trains to the end.
+CHAIN = [
+    ("kill_before_write", 1, 4, [2], ".tmp-step-00000004"),    # temp dir made, no byte of rank 1's shard
+    ("kill_mid_write", 1, 4, [2], ".tmp-step-00000004"),       # rank 1's shard torn at 256 KiB
+    ("kill_before_commit", 0, 4, [2], ".tmp-step-00000004"),   # every file and the manifest written, not renamed
+    ("kill_after_commit", 0, 4, [2, 4], None),                 # renamed, retention (keep=1) never ran
+    ("kill_mid_retain", 0, 6, [4, 6], ".tmp-delete-step-00000002"),  # step 2 half deleted, 4 not yet
+    ("enospc", 1, 8, [4, 6], ".tmp-step-00000008"),            # rank 1's write fails: disk full
 ]
+Link = collections.namedtuple("Link", "run log start committed temps torn leftover_verifies")
 
 
-@pytest.mark.parametrize("fault,rank,committed,leftover", KILLS, ids=[k[0] for k in KILLS])
-def test_kill_during_save(reference, tmp_path, fault, rank, committed, leftover):
-    """A rank killed (OOM killer, node failure) at any point of a save: the field's torn checkpoint
-    that resume trusts (Lightning #688), or retention deleting the last good one (KempnerForge #102)."""
-    d = tmp_path
-    args = COMMON + ["--ckpt-dir", str(d / "ckpt")]
-    rc, out, ev, secs = fault_run(d, fault, rank, KILL_STEP, args + ["--log-file", str(d / "log1.jsonl")])
-    assert f"fired.{rank}" in ev, f"the fault never fired:\n{out[-3000:]}"
-    assert rc != 0, "a job with a killed rank must fail"
-    steps, temps = on_disk(d / "ckpt")
-    print(f"\n{fault} (rank {rank}, save of step {KILL_STEP}): {ev[f'fired.{rank}']}; job exit {rc} after "
-          f"{secs:.1f} s; committed {steps}, leftovers {temps}")
-    assert steps == committed, "the newest committed checkpoint must be the last one that completed"
-    # Temporary names carry a unique suffix (.tmp-step-00000006-1a2b3c4d): a leftover never blocks a later save.
-    assert [t.rsplit("-", 1)[0] if t.startswith(".tmp-step") else t for t in temps] == ([leftover] if leftover else [])
-    leftover = temps[0] if temps else None
+@pytest.fixture(scope="module")
+def chain(reference, tmp_path_factory):
+    d = tmp_path_factory.mktemp("chain")
+    root = d / "ckpt"
+    links = []
+    for i, (fault, rank, step, _, _) in enumerate(CHAIN + [("none", 1, 0, None, None)]):
+        log = d / f"log{i}.jsonl"
+        args = [*COMMON, "--ckpt-dir", root, "--log-file", log] + (["--resume"] if i else [])
+        run = fault_run(d, f"{i}-{fault}", fault, rank, step, args)
+        start = resumed_step(run.out) if i else 0
+        steps, temps = on_disk(root)
+        torn = verifies = None
+        if fault == "kill_mid_write" and temps:
+            torn = (root / temps[0] / "__1_0.distcp").stat().st_size
+        if fault == "kill_before_commit" and temps and (root / temps[0] / ckpt.MANIFEST).is_file():
+            verifies = ckpt.verify_files(str(root / temps[0]), ckpt.read_manifest(str(root / temps[0]))) == []
+        links.append(Link(run, read_log(log) if log.exists() else {}, start, steps, temps, torn, verifies))
+        print(f"\nchain run {i} ({fault}, rank {rank}, save of step {step}): started at step {start}, exit codes "
+              f"{run.rcs} after {run.secs:.1f} s; committed {steps}, leftovers {temps}")
+    return root, links
+
+
+@pytest.mark.parametrize("i", range(5), ids=[c[0] for c in CHAIN[:5]])
+def test_kill_during_save(reference, chain, i):
+    """A rank killed (OOM killer, node failure) at any point of a save: the field's torn checkpoint that resume
+    trusts (Lightning #688), or retention deleting the last good one (KempnerForge #102). The next run must
+    resume from the newest commit (never a temp dir, even a complete one) and continue bit-exactly."""
+    root, links = chain
+    fault, rank, step, committed, leftover = CHAIN[i]
+    link, after = links[i], links[i + 1]
+    print(f"\n{fault} (rank {rank}, save of step {step}): fired: {link.run.ev.get(f'fired.{rank}')!r}; exit codes "
+          f"{link.run.rcs} after {link.run.secs:.1f} s; committed {link.committed}, leftovers {link.temps}")
+    assert f"fired.{rank}" in link.run.ev, f"the fault never fired:\n{link.run.out[-3000:]}"
+    assert link.run.rcs[rank] == -signal.SIGKILL, "the targeted rank must have died by SIGKILL"
+    other = 1 - rank
+    # The survivor fails by itself (gloo sees its peer gone), not by the launcher's kill after launch.GRACE s.
+    assert link.run.rcs[other] not in (0, -signal.SIGKILL), f"rank {other} must fail, not hang:\n{link.run.out[-3000:]}"
+    assert link.committed == committed, "the newest committed checkpoint must be the last one that completed"
+    # Temporary names carry a unique suffix: a leftover never blocks a later save.
+    assert unsuffixed(link.temps) == ([leftover] if leftover else [])
     if fault == "kill_mid_write":
-        torn = d / "ckpt" / leftover / "__1_0.distcp"
-        print(f"torn shard {torn.name}: {torn.stat().st_size} bytes")
-        assert torn.stat().st_size == 256 * 1024
+        print(f"torn shard __1_0.distcp: {link.torn} bytes")
+        assert link.torn == 256 * 1024
     if fault == "kill_before_commit":
         # The dangerous leftover: complete files and a valid manifest, only the rename missing.
-        assert (d / "ckpt" / leftover / "manifest.json").is_file()
-    killed_log = read_log(d / "log1.jsonl")
-    assert_same_losses(reference["log"], killed_log, range(1, KILL_STEP + 1))
-
-    _, out = torchrun(args + ["--resume", "--log-file", str(d / "log2.jsonl")])
-    start = resumed_step(out)
-    dloss = assert_same_losses(reference["log"], read_log(d / "log2.jsonl"), range(start + 1, STEPS + 1))
-    steps_after, temps_after = on_disk(d / "ckpt")
-    print(f"resumed from step {start}: steps {start + 1}..{STEPS} max |dloss| = {dloss:.3e}; "
-          f"afterwards committed {steps_after}, leftovers {temps_after}")
-    assert start == committed[-1]
+        print(f"the uncommitted {link.temps[0]} is complete and verifies: {link.leftover_verifies}")
+        assert link.leftover_verifies
+    dloss = assert_same_losses(reference["log"], link.log, range(link.start + 1, step + 1))
+    # The next run: it claims the root at start-up and removes the dead run's leftover, with a log line, then
+    # resumes from the newest commit and trains bit-exactly up to its own fault.
+    print(f"before the kill: max |dloss| = {dloss:.3e}; the next run resumed from step {after.start}")
+    assert after.start == committed[-1]
     if leftover:
-        # The resumed run claims the root at start-up; the dead run's leftovers go then, with a log line.
-        assert f"removed {d / 'ckpt' / leftover}, left by an interrupted save" in out, "the leftover must be cleaned up"
-    assert steps_after == [STEPS] and temps_after == []
+        assert f"removed {root / link.temps[0]}, left by an interrupted save" in after.run.out
+    assert after.log, f"the next run trained no step:\n{after.run.out[-3000:]}"
+    last = max(after.log)
+    dloss = assert_same_losses(reference["log"], after.log, range(after.start + 1, last + 1))
+    print(f"after the resume: steps {after.start + 1}..{last} max |dloss| = {dloss:.3e}")
 
 
-# ---------------------------------------------------------------------------
-# 2. One rank's write fails: disk full
-# ---------------------------------------------------------------------------
-
-
-def test_enospc_on_one_rank(reference, tmp_path):
-    """Disk full on one rank: the field's save that failed on one rank only, while the others
-    carried on and a later resume loaded something else on that rank (composer #2146)."""
-    d = tmp_path
-    args = COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl")]
-    rc, out, ev, secs = fault_run(d, "enospc", 1, KILL_STEP, args)
-    assert "fired.1" in ev and rc != 0
-    steps, temps = on_disk(d / "ckpt")
-    print(f"\nENOSPC on rank 1 at step {KILL_STEP}: exit {rc} after {secs:.1f} s; committed {steps}, leftovers {temps}")
+def test_enospc_on_one_rank(reference, chain):
+    """Disk full on one rank: the field's save that failed on one rank only, while the others carried on and a
+    later resume loaded something else on that rank (composer #2146). Every rank must fail naming rank 1 and
+    the cause, nothing may be committed, and a resume continues bit-exactly from the previous checkpoint."""
+    root, links = chain
+    link, after = links[5], links[6]
+    print(f"\nENOSPC on rank 1 in the save of step 8: exit codes {link.run.rcs} after {link.run.secs:.1f} s; "
+          f"committed {link.committed}, leftovers {link.temps}")
+    assert "fired.1" in link.run.ev and link.run.rc != 0
     for r in (0, 1):
-        err = ev.get(f"error.{r}", "")
+        err = link.run.ev.get(f"error.{r}", "")
         why = [line.strip() for line in err.splitlines() if "No space left" in line]
-        print(f"rank {r} raised: {err[:160]}... {why[:1]}")
-        assert re.search(r"rank 1\b|RANK 1\b", err), f"rank {r}'s error must say that rank 1 failed"
-        assert "No space left on device" in err, f"rank {r}'s error must say why"
-    assert steps == [4], "nothing new may be committed, and the previous checkpoint must stay"
-    assert not os.path.exists(ckpt.step_dir(str(d / "ckpt"), KILL_STEP))
+        print(f"rank {r} raised: {err.splitlines()[0][:200] if err else None} ... {why[-1:]}")
+        assert err.startswith("CheckpointError") and "writing failed on" in err
+        assert "rank 1: " in err and "No space left on device" in err, f"rank {r}'s error must name rank 1 and why"
+        assert "Nothing was committed; the previous checkpoint is intact" in err
+    assert link.committed == [4, 6], "nothing new may be committed, and the previous checkpoint must stay"
+    assert after.start == 6
+    dloss = assert_same_losses(reference["log"], after.log, range(7, STEPS + 1))
+    print(f"resumed from step 6: max |dloss| = {dloss:.3e}")
+
+
+def test_resume_after_every_fault_finishes(reference, chain):
+    """After the six faults above, one root holds a clean history: the last run trains to the end, the dead runs'
+    leftovers are gone, and every step of every run matched the uninterrupted run."""
+    root, links = chain
+    final = links[-1]
+    steps, temps = on_disk(root)
+    print(f"\nlast run: exit {final.run.rcs} after {final.run.secs:.1f} s; committed {steps}, leftovers {temps}; "
+          f"steps trained over the chain: {sum(len(link.log) for link in links)} for {STEPS}")
+    assert final.run.rc == 0 and steps == [STEPS] and temps == []
+    for link in links:
+        assert link.log, "every run of the chain trains at least one step"
+        assert_same_losses(reference["log"], link.log, sorted(link.log))
 
 
 # ---------------------------------------------------------------------------
 # 3. Slow storage: the checkpoint group's own timeout, not the training one
 # ---------------------------------------------------------------------------
 
-SHORT = 4  # seconds: a tight training (and, in the second case, checkpoint) timeout
-DELAY = 3 * SHORT  # rank 1's write of step 4 stalls this long
+SHORT = 3  # seconds: a tight training (and, in the second case, checkpoint) timeout
+DELAY = 2 * SHORT  # rank 1's write of step 4 stalls this long
 
 
 @pytest.mark.parametrize("ckpt_timeout", [60, SHORT], ids=["ckpt_timeout_long", "ckpt_timeout_short"])
 def test_slow_storage(reference, tmp_path, ckpt_timeout):
-    """A write that takes longer than the training timeout: the field's checkpoint collectives run
-    under the training timeout and a slow filesystem kills the job (Fast-LLM #543, llm-foundry #733).
-    With a short checkpoint timeout as well, every rank must fail with a timeout, not hang."""
+    """A write that takes longer than the training timeout: the field's checkpoint collectives run under the
+    training timeout and a slow filesystem kills the job (Fast-LLM #543, llm-foundry #733). With a short
+    checkpoint timeout as well, every rank must fail with a timeout, not hang."""
     d = tmp_path
-    args = COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"),
-                     "--timeout", str(SHORT), "--ckpt-timeout", str(ckpt_timeout)]
-    rc, out, ev, secs = fault_run(d, "slow_write", 1, 4, args, delay=DELAY)
-    assert "fired.1" in ev
+    args = [*COMMON, "--ckpt-dir", d / "ckpt", "--log-file", d / "log.jsonl", "--timeout", str(SHORT),
+            "--ckpt-timeout", str(ckpt_timeout), "--stop-after", "6"]
+    run = fault_run(d, "slow", "slow_write", 1, 4, args, delay=DELAY)
+    assert "fired.1" in run.ev
     steps, temps = on_disk(d / "ckpt")
     if ckpt_timeout > DELAY:
-        m = re.search(r"step-00000004 \| [\d.]+ MB \| ([\d.]+) s", out)
-        assert rc == 0 and m, out[-3000:]
-        dloss = assert_same_losses(reference["log"], read_log(d / "log.jsonl"), range(1, STEPS + 1))
-        print(f"\nrank 1 write stalled {DELAY} s under --timeout {SHORT}: save of step 4 took {float(m.group(1)):.1f} s "
-              f"and committed; run finished in {secs:.1f} s, max |dloss| vs reference = {dloss:.3e}")
+        m = re.search(r"step-00000004 \| [\d.]+ MB \| ([\d.]+) s", run.out)
+        assert run.rc == 0 and m, run.out[-3000:]
+        dloss = assert_same_losses(reference["log"], read_log(d / "log.jsonl"), range(1, 7))
+        print(f"\nrank 1's write stalled {DELAY} s under --timeout {SHORT}: the save of step 4 took "
+              f"{float(m.group(1)):.1f} s and committed; steps 5-6 trained after it; run took {run.secs:.1f} s, "
+              f"max |dloss| vs reference = {dloss:.3e}")
         assert float(m.group(1)) >= DELAY > SHORT
-        assert steps == [STEPS]
+        assert steps == [6] and temps == []
     else:
-        print(f"\nrank 1 write stalled {DELAY} s under --ckpt-timeout {SHORT}: exit {rc} after {secs:.1f} s; "
-              f"committed {steps}")
+        print(f"\nrank 1's write stalled {DELAY} s under --ckpt-timeout {SHORT}: exit codes {run.rcs} after "
+              f"{run.secs:.1f} s; committed {steps}")
         for r in (0, 1):
-            err = ev.get(f"error.{r}", "")
+            err = run.ev.get(f"error.{r}", "")
             print(f"rank {r} raised: {err[:400]}")
-            assert err.startswith("CheckpointError") and "step-00000004" in err, f"rank {r} must fail the save"
-        assert re.search(r"[Tt]imed out|timeout", ev["error.0"]), "the waiting rank must say it timed out"
-        ev_dir = d / "evidence"
-        when = {n: (ev_dir / n).stat().st_mtime - (ev_dir / "fired.1").stat().st_mtime for n in ("error.0", "error.1")}
-        print(f"after rank 1's stall began: rank 0 raised at {when['error.0']:.1f} s, rank 1 at {when['error.1']:.1f} s")
+            assert err.startswith("CheckpointError") and "step 4" in err, f"rank {r} must fail the save of step 4"
+        assert re.search(r"[Tt]imed out|timeout", run.ev["error.0"]), "the waiting rank must say it timed out"
+        ev = d / "slow"
+        when = {n: (ev / n).stat().st_mtime - (ev / "fired.1").stat().st_mtime for n in ("error.0", "error.1")}
+        print(f"after rank 1's stall began: rank 0 raised at {when['error.0']:.1f} s, "
+              f"rank 1 at {when['error.1']:.1f} s")
         assert when["error.0"] < DELAY, "rank 0 must give up by its own timeout, while rank 1 is still stalled"
         assert when["error.1"] < DELAY + 15, "rank 1 must fail as soon as its write returns"
-        assert rc != 0 and steps == [2]
+        assert -signal.SIGKILL not in run.rcs, "both ranks must fail by themselves"
+        assert run.rc != 0 and steps == [2]
 
 
 # ---------------------------------------------------------------------------
-# 4. Preemption: SIGTERM to one rank, or to every rank through torchrun
+# 4. Preemption: SIGTERM to one rank, then (on the resumed run) to every rank
 # ---------------------------------------------------------------------------
 
-GRACE = 30  # seconds: torchrun's (and a typical scheduler's) wait between SIGTERM and SIGKILL
+GRACE = 30  # seconds: a typical scheduler's wait between SIGTERM and SIGKILL
+PREEMPT = [("1", 3), ("all", 1)]  # (FAULT_RANK, training steps of the run before the signal)
 
 
-@pytest.mark.parametrize("target", ["one_rank", "all_ranks"])
-def test_preemption(reference, tmp_path, target):
-    """SIGTERM during training: the field's preemptions that saved nothing (spd #741: flag checked
-    too rarely) or deadlocked (one rank exiting alone while the others wait in a collective)."""
-    d = tmp_path
-    ev = d / "evidence"
+def preempted_run(d, name, args, target, after):
+    """A run whose every step sleeps 0.3 s; after `after` steps, SIGTERM to rank 1 or to every rank."""
+    ev = d / name
     ev.mkdir()
-    args = COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log1.jsonl")]
-    # Every rank sleeps 0.5 s after each step, so that the signal lands during training;
-    # rank 1 writes ready.1 after step 3.
-    env = dict(os.environ, FAULT="preempt", FAULT_RANK="1", FAULT_STEP="3", FAULT_DELAY="0.5", FAULT_DIR=str(ev),
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", INJECT, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (ev / "ready.1").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it was signalled"
-            time.sleep(0.05)
-        victim = int((ev / "ready.1").read_text()) if target == "one_rank" else proc.pid  # torchrun forwards
-        t_signal = time.monotonic()
-        os.kill(victim, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=GRACE + 30)
-        grace = time.monotonic() - t_signal
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    got = evidence(ev)
-    steps, temps = on_disk(d / "ckpt")
-    stopped = max(read_log(d / "log1.jsonl"))
-    print(f"\nSIGTERM to {'rank 1' if target == 'one_rank' else 'torchrun (forwarded to both ranks)'} after step 3: "
-          f"stopped after step {stopped}, exit codes rank0={got.get('exit.0')} rank1={got.get('exit.1')} "
-          f"torchrun={proc.returncode}, {grace:.1f} s from signal to exit; committed {steps}")
-    assert got.get("exit.0") == "0" and got.get("exit.1") == "0", f"both ranks must return 0:\n{out[-3000:]}"
-    assert "preempted (SIGTERM on some rank)" in out, "rank 0 must have learnt of the signal"
-    assert 3 <= stopped < STEPS and steps == [stopped] and temps == []
-    assert grace < GRACE
-    if target == "one_rank":
-        assert proc.returncode == 0
+    env = dict(os.environ, FAULT="preempt", FAULT_RANK=target, FAULT_STEP=str(after), FAULT_DELAY="0.3",
+               FAULT_DIR=str(ev))
+    job = launch.start([INJECT, *args], env=env, out=ev / "output.txt")
+    ranks = [1] if target == "1" else [0, 1]
+    deadline = time.monotonic() + 60
+    while not all((ev / f"ready.{r}").exists() for r in ranks):
+        if job.poll() or time.monotonic() > deadline:
+            job.kill()
+            raise AssertionError(f"the run ended (or never got there) before it was signalled:\n{job.wait()[1]}")
+        time.sleep(0.02)
+    t_signal = time.monotonic()
+    for r in ranks:  # what a scheduler does: SIGTERM to the job's processes
+        os.kill(int((ev / f"ready.{r}").read_text()), signal.SIGTERM)
+    rc, out = job.wait(60)
+    return Run(rc, job.rcs, out, evidence(ev), time.monotonic() - t_signal)
 
-    _, out = torchrun(COMMON + ["--ckpt-dir", str(d / "ckpt"), "--resume", "--log-file", str(d / "log2.jsonl")])
-    start = resumed_step(out)
-    assert start == stopped
-    dloss = assert_same_losses(reference["log"], read_log(d / "log1.jsonl"), range(1, stopped + 1))
-    dloss = max(dloss, assert_same_losses(reference["log"], read_log(d / "log2.jsonl"), range(start + 1, STEPS + 1)))
-    print(f"resumed from step {start}: max |dloss| over all {STEPS} steps = {dloss:.3e}")
+
+@pytest.fixture(scope="module")
+def preemptions(reference, tmp_path_factory):
+    """Run 1: SIGTERM to rank 1 after step 3. Run 2 resumes; SIGTERM to both ranks after its first step. Run 3
+    resumes and trains to the end."""
+    d = tmp_path_factory.mktemp("preempt")
+    runs, logs = [], []
+    for i, (target, after) in enumerate(PREEMPT):
+        args = [*COMMON, "--ckpt-dir", d / "ckpt", "--log-file", d / f"log{i}.jsonl"] + (["--resume"] if i else [])
+        runs.append(preempted_run(d, f"run{i}", args, target, after))
+        logs.append(read_log(d / f"log{i}.jsonl"))
+    _, out = launch.run([TRAIN, *COMMON, "--ckpt-dir", d / "ckpt", "--resume", "--log-file", d / "log2.jsonl"],
+                        timeout=60)
+    return d, runs, logs + [read_log(d / "log2.jsonl")], out
+
+
+@pytest.mark.parametrize("i", [0, 1], ids=["one_rank", "all_ranks"])
+def test_preemption(reference, preemptions, i):
+    """SIGTERM during training: the field's preemptions that saved nothing (spd #741: flag checked too rarely) or
+    deadlocked (one rank exiting alone while the others wait in a collective). Every rank must save, exit 0
+    within the grace period, and the resume continue bit-exactly."""
+    d, runs, logs, last_out = preemptions
+    run, log, next_log = runs[i], logs[i], logs[i + 1]
+    start = min(log) - 1
+    stopped = max(log)
+    resumed = resumed_step(last_out if i == 1 else runs[1].out)
+    steps = ckpt.committed_steps(str(d / "ckpt"))
+    print(f"\nSIGTERM to {'rank 1' if i == 0 else 'both ranks'} after step {start + PREEMPT[i][1]}: stopped "
+          f"after step {stopped}, exit codes rank0={run.ev.get('exit.0')} rank1={run.ev.get('exit.1')}, "
+          f"{run.secs:.1f} s from signal to exit; the next run resumed from step {resumed}")
+    assert run.ev.get("exit.0") == "0" and run.ev.get("exit.1") == "0", f"both ranks must return 0:\n{run.out[-3000:]}"
+    assert run.rcs == [0, 0]
+    assert "preempted (SIGTERM on some rank)" in run.out, "rank 0 must have learnt of the signal"
+    assert f"checkpoint {ckpt.step_dir(str(d / 'ckpt'), stopped)} committed" in run.out
+    assert start < stopped < STEPS and resumed == stopped
+    assert run.secs < GRACE
+    dloss = assert_same_losses(reference["log"], log, range(start + 1, stopped + 1))
+    dloss = max(dloss, assert_same_losses(reference["log"], next_log, range(stopped + 1, max(next_log) + 1)))
+    print(f"max |dloss| before and after the resume = {dloss:.3e}; committed at the end {steps}")
+    if i == 1:
+        assert steps == [STEPS] and max(next_log) == STEPS
 
 
 # ---------------------------------------------------------------------------
@@ -327,14 +395,14 @@ def bad_root(d, case):
     if case == "is_a_file":
         (d / "b-file").write_text("x")
         return d / "b-file"
-    if case == "in_proc":
+    if case == "in_proc":  # a mount that refuses to create anything
         return "/proc/ckpt-faults-test"
-    (d / "data").mkdir()  # foreign_directory: somebody's data, not checkpoints
-    (d / "data" / "corpus.txt").write_text("x")
+    (d / "data").mkdir()  # data_directory: somebody's data; accepted as a root since ckpt touches only its names
+    (d / "data" / "corpus.txt").write_text("the data")
     return d / "data"
 
 
-ROOTS = ["fresh", "under_a_file", "is_a_file", "in_proc", "foreign_directory"]
+ROOTS = ["fresh", "under_a_file", "is_a_file", "in_proc", "data_directory"]
 
 
 @pytest.fixture(scope="module")
@@ -345,11 +413,12 @@ def api_job(tmp_path_factory):
     (d / "out").mkdir()
     (d / "roots").mkdir()
     roots = {name: str(bad_root(d / "roots", name)) for name in ROOTS}
+    data = os.stat(d / "roots" / "data" / "corpus.txt")
     t0 = time.monotonic()
-    rc, out = torchrun([str(d / "out"), str(d / "ckpt"), str(SHORT), json.dumps(roots)], script=str(d / "job.py"),
-                       check=False, env=dict(os.environ, REPO=REPO), timeout=90)
+    rc, out = launch.run([d / "job.py", d / "out", d / "ckpt", SHORT, json.dumps(roots)], check=False,
+                         env=dict(os.environ, REPO=REPO), timeout=60)
     print(f"\nckpt API job: exit {rc} after {time.monotonic() - t0:.1f} s")
-    return d, out, roots
+    return d, out, roots, data
 
 
 def job_results(d, out, case):
@@ -364,20 +433,23 @@ def job_results(d, out, case):
 
 @pytest.mark.parametrize("case", ["different_root", "different_step", "rank0_only"])
 def test_misuse(api_job, case):
-    """save() called on rank 0 only (accelerate #1171, #2000: the others never join and the job
-    hangs until a watchdog), or with per-rank paths or steps (OpenTau #396: shards scattered)."""
-    d, out, _ = api_job
+    """save() called on rank 0 only (accelerate #1171, #2000: the others never join and the job hangs until a
+    watchdog), or with per-rank paths or steps (OpenTau #396: shards scattered): every rank fails, in bounded
+    time, and nothing is committed."""
+    d, out, _, _ = api_job
     res = job_results(d, out, case)
     assert all(r["error"] for r in res), "every rank must fail"
     if case == "different_root":
         for r in res:
-            assert "different arguments" in r["error"] and f"{d / 'ckpt'}-elsewhere" in r["error"]
+            assert "different arguments on different ranks" in r["error"] and f"{d / 'ckpt'}-elsewhere" in r["error"]
     elif case == "different_step":
         for r in res:
-            assert "different arguments" in r["error"] and "step=1" in r["error"] and "step=2" in r["error"]
+            assert "different arguments on different ranks" in r["error"]
+            assert "step=1" in r["error"] and "step=2" in r["error"]
     else:
         # Rank 1 never entered save(), so only rank 0 can say why; rank 1 fails in its next collective.
-        assert "is save/load called on every rank?" in res[0]["error"]
+        assert "checkpoint coordination failed at 'save()' on rank 0" in res[0]["error"]
+        assert "called on every rank?" in res[0]["error"]
         assert SHORT <= res[0]["seconds"] < SHORT + 10, "rank 0 must fail when the checkpoint timeout expires"
     for r in res:
         assert r["seconds"] < SHORT + 20, "bounded: no rank may wait for a watchdog"
@@ -433,16 +505,28 @@ def record(name, fn):
 for name, root in cases.items():
     record(name, lambda: ckpt.load(root, model, opt, extra))
 
-# A non-tensor item whose pickle runs a command. save() refuses such a value ...
+# A non-tensor value whose pickle runs a command. save() refuses such a value ...
 evil_root = f"{out}/evil_bytes_ckpt"
-record("evil_save", lambda: ckpt.save(evil_root, 1, model, opt, {"evil": Holder({"payload": Evil(f"{canaries}/bytes-canary")})}))
-# ... so plant it as an attacker would, with valid checksums: here by letting this save accept it.
-ckpt._PLAIN = (*ckpt._PLAIN, Evil)
-ckpt.save(evil_root, 1, model, opt, {"evil": Holder({"payload": Evil(f"{canaries}/bytes-canary")})})
+hostile = {"evil": Holder({"payload": Evil(f"{canaries}/bytes-canary")})}
+record("evil_save", lambda: ckpt.save(evil_root, 1, model, opt, hostile))
+# ... so plant it as an attacker would, with valid checksums: DCP's planner pickles it in place of a plain value.
+real_transform = dcp.DefaultSavePlanner.transform_object
+def planting(canary):
+    def transform_object(self, write_item, obj):
+        if write_item.index.fqn == "extra.evil":
+            obj = {"payload": Evil(canary)}
+        return real_transform(self, write_item, obj)
+    return transform_object
+dcp.DefaultSavePlanner.transform_object = planting(f"{canaries}/bytes-canary")
+ckpt.save(evil_root, 1, model, opt, {"evil": Holder({"payload": 0})})
+dcp.DefaultSavePlanner.transform_object = real_transform
 record("evil_bytes", lambda: ckpt.load(evil_root, model, opt, {"evil": Holder({"payload": 0})}))
-# Control: stock DCP reads the same item with torch.load(weights_only=False), and the payload runs.
-ckpt.save(evil_root, 2, model, opt, {"evil": Holder({"payload": Evil(f"{canaries}/stock-dcp-canary")})})
-dcp.load({"extra.evil.payload": 0}, checkpoint_id=ckpt.step_dir(evil_root, 2))
+# Control: stock DCP reads the same kind of value with torch.load(weights_only=False), and the payload runs.
+dcp.DefaultSavePlanner.transform_object = planting(f"{canaries}/stock-dcp-canary")
+ckpt.save(evil_root, 2, model, opt, {"evil": Holder({"payload": 0})})
+dcp.DefaultSavePlanner.transform_object = real_transform
+dcp.load({"extra.evil": None}, checkpoint_id=ckpt.step_dir(evil_root, 2),
+         planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
 del model, opt, sched
 ckpt.close()
 gc.collect()  # FSDP2 state holds the process group: free it before the teardown
@@ -463,9 +547,9 @@ def flip_byte(path):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def edit_manifest(path):
+def other_format(path):
     m = json.loads(path.read_text())
-    m["world_size"] = 4  # an edit that does not recompute manifest_sha256
+    m["format"] = 2
     path.write_text(json.dumps(m))
 
 
@@ -480,26 +564,27 @@ class Evil:
 
 
 def plant_metadata(ckpt_dir, canary):
-    """An attacker's .metadata, with the manifest updated to match so every checksum passes."""
+    """An attacker's .metadata, with the manifest updated to match so that every checksum passes."""
     (ckpt_dir / ".metadata").write_bytes(pickle.dumps(Evil(canary)))
     manifest_path = ckpt_dir / "manifest.json"
     m = json.loads(manifest_path.read_text())
     data = (ckpt_dir / ".metadata").read_bytes()
-    m["files"][".metadata"].update(bytes=len(data), crc32=[f"{zlib.crc32(data):08x}"])  # one 16 MB block
-    body = {k: v for k, v in m.items() if k != "manifest_sha256"}
-    m["manifest_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    m["files"][".metadata"] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     manifest_path.write_text(json.dumps(m))
 
 
-# case: (damage done to step-00000008, the file the error must name)
+# case: (damage done to step-00000008, the file the error must name, what the error must say)
 DAMAGE = {
-    "intact": (None, None),
-    "truncated_shard": (lambda c: truncate(c / "__1_0.distcp"), "__1_0.distcp"),
-    "flipped_byte": (lambda c: flip_byte(c / "__0_0.distcp"), "__0_0.distcp"),
-    "missing_shard": (lambda c: (c / "__1_0.distcp").unlink(), "__1_0.distcp"),
-    "missing_metadata": (lambda c: (c / ".metadata").unlink(), ".metadata"),
-    "missing_manifest": (lambda c: (c / "manifest.json").unlink(), "manifest.json"),
-    "edited_manifest": (lambda c: edit_manifest(c / "manifest.json"), "manifest.json"),
+    "intact": (None, None, None),
+    "truncated_shard": (lambda c: truncate(c / "__1_0.distcp"), "__1_0.distcp", "(truncated?)"),
+    "flipped_byte": (lambda c: flip_byte(c / "__0_0.distcp"), "__0_0.distcp",
+                     "does not match its checksum (corrupted)"),
+    "missing_shard": (lambda c: (c / "__1_0.distcp").unlink(), "__1_0.distcp", "is missing"),
+    "missing_metadata": (lambda c: (c / ".metadata").unlink(), ".metadata", "is missing"),
+    "missing_manifest": (lambda c: (c / "manifest.json").unlink(), "manifest.json", "cannot be read"),
+    "truncated_manifest": (lambda c: truncate(c / "manifest.json"), "manifest.json", "cannot be read"),
+    "manifest_of_other_format": (lambda c: other_format(c / "manifest.json"), "manifest.json",
+                                 "is not a manifest of format 3"),
 }
 
 
@@ -509,7 +594,7 @@ def loads(reference, tmp_path_factory):
     d = tmp_path_factory.mktemp("loads")
     (d / "out").mkdir()
     cases = {}
-    for name, (damage, _) in DAMAGE.items():
+    for name, (damage, _, _) in DAMAGE.items():
         shutil.copytree(reference["ckpt"], d / name)
         if damage:
             damage(d / name / "step-00000008")
@@ -523,9 +608,9 @@ def loads(reference, tmp_path_factory):
     cases["evil_metadata"] = str(d / "evil_metadata")
     (d / "loader.py").write_text(LOADER)
     t0 = time.monotonic()
-    torchrun([str(d / "out"), json.dumps(cases), str(d)], script=str(d / "loader.py"),
-             env=dict(os.environ, REPO=REPO, TRAIN_ARGS=json.dumps(COMMON)), timeout=120)
-    print(f"\nload job: {len(cases) + 1} loads in {time.monotonic() - t0:.1f} s")
+    launch.run([d / "loader.py", d / "out", json.dumps(cases), d],
+               env=dict(os.environ, REPO=REPO, TRAIN_ARGS=json.dumps(COMMON)), timeout=90)
+    print(f"\nload job: {len(cases) + 1} loads and 3 saves in {time.monotonic() - t0:.1f} s")
     return d
 
 
@@ -537,32 +622,34 @@ def outcome(d, name):
 
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_damaged_checkpoint_is_refused(loads, case):
-    """A truncated, bit-flipped or incomplete checkpoint: the field's resume that trusts whatever
-    is on disk (Lightning #688, #19970) or silently goes back to an older step (composer #2146)."""
+    """A truncated, bit-flipped or incomplete checkpoint, or a damaged manifest: the field's resume that trusts
+    whatever is on disk (Lightning #688, #19970) or silently goes back to an older step (composer #2146). It must
+    be refused on every rank, naming the file, and naming the newest older commit to load instead."""
     res = outcome(loads, case)
-    bad = DAMAGE[case][1]
-    print(f"\n{case}: step {res['step']}, error: {str(res['error'])[:400]}")
+    _, bad, why = DAMAGE[case]
+    print(f"\n{case}: step {res['step']}, error: {str(res['error'])[:500]}")
     if bad is None:  # the control: the same job loads an undamaged copy
         assert res["error"] is None and res["step"] == STEPS
         return
     assert res["step"] is None and res["error"], "a damaged checkpoint must be refused, not loaded"
+    assert "refusing to load a damaged checkpoint" in res["error"] and why in res["error"]
     assert f"step-00000008/{bad}" in res["error"], "the error must name the damaged file"
-    assert f"newest older committed checkpoint is {loads / case / 'step-00000006'}" in res["error"]
+    assert f"The newest older commit is {loads / case / 'step-00000006'}: pass it to load it" in res["error"]
 
 
 def test_hostile_pickles_do_not_run(loads):
-    """DCP reads .metadata with pickle.load and non-tensor items with weights_only=False: a
-    checkpoint downloaded from someone else can run code. Both must be refused, the code never run."""
+    """DCP reads .metadata with pickle.load and non-tensor values with weights_only=False: a checkpoint downloaded
+    from someone else can run code. Both must be refused, the code never run; save() refuses such a value."""
     meta, items, at_save = outcome(loads, "evil_metadata"), outcome(loads, "evil_bytes"), outcome(loads, "evil_save")
-    print(f"\nsave() of the hostile value: {str(at_save['error'])[:200]}")
-    assert "Evil" in at_save["error"] and "cannot restore" in at_save["error"]
-    print(f"\nhostile .metadata (checksums made to match): {str(meta['error'])[:300]}")
+    print(f"\nsave() of the hostile value: {str(at_save['error'])[:300]}")
+    assert "Evil" in at_save["error"] and "which load() cannot restore without running code" in at_save["error"]
+    print(f"hostile .metadata (checksums made to match): {str(meta['error'])[:400]}")
     refusal = [line for line in str(items["error"]).splitlines() if "posix.system" in line]
-    print(f"hostile non-tensor item: {str(items['error']).splitlines()[0][:200]} ... {refusal[:1]}")
+    print(f"hostile pickled value (checksums valid): {str(items['error']).splitlines()[0][:300]} ... {refusal[:1]}")
     assert meta["step"] is None and "step-00000008/.metadata" in meta["error"]
     assert "refusing to load posix.system" in meta["error"]
     assert items["step"] is None and "Weights only load failed" in items["error"] and refusal
-    # The controls: plain pickle runs the .metadata payload; stock DCP runs the item's payload.
+    # The controls: plain pickle runs the .metadata payload; stock DCP runs the value's payload.
     for canary, expected in (("control-canary", True), ("stock-dcp-canary", True),
                              ("metadata-canary", False), ("bytes-canary", False)):
         print(f"{canary} exists: {(loads / canary).exists()} (expected {expected})")
@@ -570,35 +657,43 @@ def test_hostile_pickles_do_not_run(loads):
 
 
 # ---------------------------------------------------------------------------
-# 8. A checkpoint root that cannot be written or holds something else
+# 8. A checkpoint root that cannot be written
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", ROOTS)
 def test_bad_root_is_refused(api_job, case):
-    """A checkpoint root that cannot hold checkpoints (a path through a file, a mount that refuses
-    writes, a data directory): ckpt.check_root refuses it on every rank, naming the path."""
-    d, out, roots = api_job
+    """A checkpoint root that cannot hold checkpoints (a path through a file, a mount that refuses writes):
+    ckpt.check_root refuses it on every rank at once, naming the path. A directory that holds other data is
+    accepted (ckpt touches only step-N, .tmp-*, .abandoned-* and .owner.json) and its data is left alone."""
+    d, out, roots, data = api_job
     res = job_results(d, out, f"root_{case}")
-    if case == "fresh":
+    if case in ("fresh", "data_directory"):
+        listing = sorted(os.listdir(roots[case]))
+        print(f"accepted; the root holds {listing}")
         assert res[0]["error"] is None and res[1]["error"] is None
-        assert os.listdir(roots[case]) == [".owner.json"], "the probe leaves nothing behind but this run's claim"
+        assert listing == sorted([".owner.json"] + (["corpus.txt"] if case == "data_directory" else []))
+        if case == "data_directory":
+            now = os.stat(os.path.join(roots[case], "corpus.txt"))
+            assert (now.st_mtime_ns, now.st_size) == (data.st_mtime_ns, data.st_size)
+            assert open(os.path.join(roots[case], "corpus.txt")).read() == "the data"
         return
     for r in res:
         assert r["error"] and r["error"].startswith("CheckpointError") and roots[case] in r["error"]
+        assert f"check of the checkpoint root {roots[case]} failed on rank 0" in r["error"]
         assert r["seconds"] < SHORT, "a local check, not a timeout"
 
 
 def test_train_refuses_bad_root_before_training(tmp_path):
-    """train_fsdp.py pointed at a data directory: without the start-up check it trains until its
-    first save and only then fails, losing that work."""
-    root = bad_root(tmp_path, "foreign_directory")
+    """train_fsdp.py pointed at a root it cannot write (a path through a file): without the start-up check it
+    trains until its first save and only then fails, losing that work."""
+    root = bad_root(tmp_path, "under_a_file")
     t0 = time.monotonic()
-    rc, out = torchrun(COMMON + ["--ckpt-dir", str(root), "--log-file", str(tmp_path / "log.jsonl")],
-                       check=False, timeout=90)
+    rc, out = launch.run([TRAIN, *COMMON, "--ckpt-dir", root, "--log-file", tmp_path / "log.jsonl"], check=False,
+                         timeout=60)
     lines = [line for line in out.splitlines() if "CheckpointError" in line]
-    print(f"\nforeign --ckpt-dir: exit {rc} after {time.monotonic() - t0:.1f} s: {lines[-1][:300] if lines else None}")
+    print(f"\n--ckpt-dir through a file: exit {rc} after {time.monotonic() - t0:.1f} s: "
+          f"{lines[-1][:300] if lines else None}")
     assert rc != 0
     assert "step     1" not in out and not (tmp_path / "log.jsonl").exists(), "no step may run"
     assert lines and str(root) in lines[-1], "the error must name the root"
-    assert os.listdir(root) == ["corpus.txt"], "nothing may be written into a foreign directory"

@@ -179,7 +179,7 @@ def test_numpy_values_are_refused_at_save(tmp_path):
     for where, msg in refused.items():
         assert where in msg and "numpy." in msg and "cannot restore without running code from the checkpoint" in msg
     assert "numpy.ndarray" in refused[".pos.array"] and "numpy.int64" in refused[".scalar"]
-    assert "extra 'data'" in refused[".pos.array"] and "extra 'data'" in refused[".scalar"]  # the key's: below
+    assert "extra.data.pos.array" in refused[".pos.array"] and "extra.data.scalar" in refused[".scalar"]
 
 
 def test_refused_dict_key_names_its_extra(tmp_path):
@@ -191,7 +191,7 @@ def test_refused_dict_key_names_its_extra(tmp_path):
     print(f"\n{e.value}")
     assert nothing_written(tmp_path)
     assert "the key" in str(e.value) and "numpy.int64" in str(e.value)
-    assert "extra 'data': .pos: the key" in str(e.value)
+    assert "extra.data.pos: the key" in str(e.value)
 
 
 def test_unsupported_value_is_refused_at_save(tmp_path):
@@ -205,7 +205,7 @@ def test_unsupported_value_is_refused_at_save(tmp_path):
         with pytest.raises(ckpt.CheckpointError) as e:
             ckpt.save(str(tmp_path / str(i)), 1, model, opt, {"data": Box(state)})
         print(f"\n{where}: {e.value}")
-        assert "extra 'data'" in str(e.value) and where in str(e.value) and kind in str(e.value)
+        assert f"extra.data{where}" in str(e.value) and kind in str(e.value)
         assert nothing_written(tmp_path / str(i))
 
 
@@ -439,7 +439,7 @@ def test_extra_mixing_dtensors_and_plain_values(job):
               f"problems {res['problems']}")
         assert res["loaded"] == 1 and res["problems"] == [] and res["rank_value"] == r
         assert res["manifest_entry"]["per_rank"] is True
-        assert sorted(res["manifest_entry"]["like"]) == [".dt", ".nested.0", ".tup.0"]
+        assert sorted(res["manifest_entry"]["like"]) == ["extra.mixed.dt", "extra.mixed.nested.0", "extra.mixed.tup.0"]
         assert [k for k, v in leaves.items() if v[0] == "DTensor"] == [".dt", ".nested.0", ".tup.0"]
         assert len(leaves) == 6 and all(v[2] == 0 for v in leaves.values())
 
@@ -451,7 +451,7 @@ def test_dtensor_laid_out_like_no_parameter_is_refused(job):
     res = scenario(job, "unplaceable")
     for case in ("replicated", "reshaped"):
         per_case = [r[case] for r in res]
-        msg = refused_everywhere(per_case, "save() failed on 2 rank(s)", f"extra '{case}': .w is a DTensor",
+        msg = refused_everywhere(per_case, "save() failed on 2 rank(s)", f"extra.{case}.w is a DTensor",
                                  "laid out like no parameter")
         print(f"\n{case}: {msg[:260]}; root after: {[r['listing'] for r in per_case]}")
         assert all(r["listing"] == [] and r["committed"] == [] for r in per_case)

@@ -5,7 +5,7 @@ active exception"), so torchrun reports a failure and a scheduler requeues or al
 that ends with dist.destroy_process_group() does this in a few percent of runs, with or without ckpt.py; the
 teardown of tests/teardown_script.py (the README's) must not, and ckpt.py must add nothing to it.
 
-    python -m pytest -s tests/test_teardown.py                    # CI: a few launches per test
+    python -m pytest -s tests/test_teardown.py                    # CI: one launch per variant, side by side
     TEARDOWN_RUNS=30 python -m pytest -s tests/test_teardown.py   # the full check: 30 launches per test
     python tests/test_teardown.py 30 --no-ckpt --naive            # a rate for any variant (no assert)
 """
@@ -15,9 +15,12 @@ import collections
 import os
 import re
 import sys
+import threading
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pytest  # noqa: E402
 
 from tests.harness import REPO, torchrun  # noqa: E402
 
@@ -53,18 +56,39 @@ def leftover_threads(out):
             for r, w in seen if w == "at teardown"}
 
 
-def test_teardown_with_ckpt(tmp_path):
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """Both variants' launches, side by side (each launch is mostly start-up: importing torch in three
+    processes); {variant: (failed, threads left)}."""
+    tmp, out = str(tmp_path_factory.mktemp("teardown")), {}
+
+    def run(variant):
+        try:
+            out[variant] = launches(RUNS, tmp, [variant])
+        except AssertionError as e:  # a launch past its time limit
+            out[variant] = [(None, None, str(e)[-1500:])], []
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in ("--ckpt", "--no-ckpt")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240 * RUNS + 60)  # each launch has its own 240-s limit
+    return out
+
+
+def test_teardown_with_ckpt(variants):
     """Train, save twice, load, then ckpt.close(), gc.collect(), destroy_process_group(): every launch exits 0,
     and after ckpt.close() no thread ckpt started (its gloo groups' workers, the root-claim refresher) is left
-    to run into interpreter shutdown."""
-    failed, extra = launches(RUNS, str(tmp_path), ["--ckpt"])
+    to run into interpreter shutdown. Guards against a job that did its work dying at exit (SIGABRT)."""
+    failed, extra = variants["--ckpt"]
     assert not failed, failed[0][2]
     assert extra == [{0: [], 1: []}] * RUNS, extra
 
 
-def test_teardown_without_ckpt(tmp_path):
-    """The same job with no ckpt call and the same teardown: every launch exits 0 (the rate is not ckpt's)."""
-    failed, _ = launches(RUNS, str(tmp_path), ["--no-ckpt"])
+def test_teardown_without_ckpt(variants):
+    """The same job with no ckpt call and the same teardown: every launch exits 0. Guards against the README's
+    teardown itself aborting at exit (then a failure of the test above would not be ckpt's)."""
+    failed, _ = variants["--no-ckpt"]
     assert not failed, failed[0][2]
 
 
