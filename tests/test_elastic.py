@@ -26,8 +26,8 @@ All runs use --dropout 0: dropout masks would still differ from the uninterrupte
 draws for its own share of the batch, which the world size changes), and the loss comparison
 would measure that instead of the resume.
 
-Speed (2 cores): launches go through tests/forkrun.py (torch imported once for the module, not
-once per rank and launch); the model has one layer (dims as before: the uneven shards stay).
+Speed (2 cores): ranks are forked from processes that imported torch once (tests/launch.py), not
+once per rank and launch; the model has one layer (dims as before: the uneven shards stay).
 
     python -m pytest -q -s tests/test_elastic.py
 """
@@ -36,9 +36,7 @@ import os
 import re
 import shutil
 
-from tests import forkrun
-
-ZYGOTE = forkrun.shared()  # before the imports of torch below: the zygote's own runs meanwhile
+from tests import launch  # first: its warm rank processes import torch while this one does
 
 import pytest
 import torch
@@ -101,27 +99,20 @@ runpy.run_path({train!r}, run_name="__main__")
 '''
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    count, cpu = ZYGOTE.count, ZYGOTE.cpu
-    yield ZYGOTE
-    print(f"\n[forkrun: {ZYGOTE.count - count} launches, {ZYGOTE.cpu - cpu:.0f} s of CPU in them]")
-
-
-def launch(zygote, d, args, nproc, **kw):
-    """Run the wrapper at world size nproc (tests/forkrun.py, as torchrun --standalone); dumps land in d."""
+def run_wrapper(d, args, nproc, timeout=180, check=True):
+    """Run the wrapper at world size nproc (tests/launch.py, as torchrun --standalone); dumps land in d."""
     wrapper = d / "elastic_wrapper.py"
     if not wrapper.exists():
         wrapper.write_text(WRAPPER.format(repo=REPO, train=TRAIN))
     env = dict(os.environ, ELASTIC_DUMP=str(d))
-    return zygote.run(nproc, str(wrapper), COMMON + args, env=env, **kw)
+    return launch.run([wrapper, *COMMON, *args], nproc, env=env, timeout=timeout, check=check)
 
 
 @pytest.fixture(scope="module")
-def reference(zygote, tmp_path_factory):
+def reference(tmp_path_factory):
     """The uninterrupted run at world size 2; its step-4 checkpoint is where every resume starts."""
     d = tmp_path_factory.mktemp("elastic_reference")
-    launch(zygote, d, ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--save-every",
+    run_wrapper(d, ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--save-every",
                        str(SAVE_AT)], 2)
     log = read_log(d / "log.jsonl")
     assert sorted(log) == list(range(1, STEPS + 1))
@@ -167,7 +158,7 @@ def flat(tree, prefix=""):
 
 
 @pytest.mark.parametrize("worlds", [(1,), (3, 2), (4,)], ids=lambda w: "2-" + "-".join(map(str, w)))
-def test_elastic_resume(zygote, reference, tmp_path, worlds):
+def test_elastic_resume(reference, tmp_path, worlds):
     """Saved at world size 2, resumed on 1, on 4, and on 3 ranks then back on 2 (stopping at step 6 on 3).
 
     Guards against a job restarted on another number of GPUs that loads without error but
@@ -181,7 +172,7 @@ def test_elastic_resume(zygote, reference, tmp_path, worlds):
     stops = [SAVE_AT + 2 * (i + 1) for i in range(len(worlds) - 1)] + [STEPS]
     prev_world, start, saved_dir = 2, SAVE_AT, ref_dir
     for world, stop in zip(worlds, stops):
-        _, out = launch(zygote, d, args + ["--stop-after", str(stop)], world)
+        _, out = run_wrapper(d, args + ["--stop-after", str(stop)], world)
         assert f"resumed from step {start}" in out and f"(step {start}, saved at world size {prev_world})" in out
         assert "not restored from" not in out, f"generators alike on every rank must be restored\n{out[-3000:]}"
 
@@ -214,7 +205,7 @@ def test_elastic_resume(zygote, reference, tmp_path, worlds):
     assert sorted(read_log(d / "log.jsonl")) == list(range(SAVE_AT + 1, STEPS + 1))
 
 
-def test_indivisible_world_fails_at_startup(zygote, reference, tmp_path):
+def test_indivisible_world_fails_at_startup(reference, tmp_path):
     """A resume on a world size that does not divide the global batch stops before step 1, saying what to change.
 
     Guards against a job that is restarted on the wrong number of ranks and fails (or
@@ -223,7 +214,7 @@ def test_indivisible_world_fails_at_startup(zygote, reference, tmp_path):
     d = tmp_path
     shutil.copytree(ref_dir / "ckpt", d / "ckpt")
     before = sorted(os.listdir(d / "ckpt"))
-    rc, out = launch(zygote, d, ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--resume"], 5,
+    rc, out = run_wrapper(d, ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--resume"], 5,
                      check=False, timeout=120)
     message = "--batch-size 12 is not divisible by the world size 5"
     steps = re.findall(r"^step\s+\d+ \|", out, re.M)

@@ -23,7 +23,7 @@ resume), states a checkpoint saves but cannot load (OneCycleLR's list of dicts, 
 loads refused after HSDP, tensor parallel, torch.compile or activation checkpointing; and against state a
 loss comparison cannot see (an EMA the user forgot to pass to load()).
 
-Speed (2 cores): every launch is forked from a process that imported torch once (tests/forkrun.py; torch
+Speed (2 cores): every rank is forked from a process that imported torch once (tests/launch.py; torch
 imports cost ~5 s of CPU per process), test_resume.py's pytest included; user_loop.py is one block with a
 fused AdamW (first steps of a per-tensor optimizer on DTensors cost more than the run); runs are 8 steps
 (the wrapper chain) or 6 (HSDP, TP), saving only the steps a resume or a comparison uses; the bf16 runs
@@ -35,9 +35,7 @@ are the wrapper chain itself (one reference for both tests); 4 ranks only where 
 import os
 import shutil
 
-from tests import forkrun
-
-ZYGOTE = forkrun.shared()  # before the imports of torch below: the zygote's own runs meanwhile
+from tests import launch  # first: its warm rank processes import torch while this one does
 
 import pytest
 import torch
@@ -49,13 +47,6 @@ USER_LOOP = os.path.join(REPO, "tests", "user_loop.py")
 RTOL = 1e-4  # relative, on losses across layouts
 FINAL_RTOL = 1e-4  # on the final state across layouts, relative to each tensor's largest magnitude
 BF16 = ["--mixed-precision", "bf16", "--sched", "sequential"]
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    count, cpu = ZYGOTE.count, ZYGOTE.cpu
-    yield ZYGOTE
-    print(f"\n[forkrun: {ZYGOTE.count - count} launches, {ZYGOTE.cpu - cpu:.0f} s of CPU in them]")
 
 
 class Run:
@@ -70,7 +61,7 @@ class Run:
         return self.dump("saved", max(self.log))
 
 
-def launch(zygote, d, nproc, flags=(), steps=8, every=0, resume=None, check=True):
+def run_loop(d, nproc, flags=(), steps=8, every=0, resume=None, check=True):
     """user_loop.py for `steps` steps, saving every `every` (0: never) and at the last step (each save dumps the
     state); resume=(run, step): continue from that checkpoint, copied alone into a fresh root (so it is the
     newest there)."""
@@ -82,7 +73,7 @@ def launch(zygote, d, nproc, flags=(), steps=8, every=0, resume=None, check=True
         name = f"step-{step:08d}"
         shutil.copytree(src.root / name, d / "ckpt" / name)
         args.append("--resume")
-    rc, out = zygote.run(nproc, USER_LOOP, args, timeout=240, check=check)
+    rc, out = launch.run([USER_LOOP, *args], nproc, timeout=240, check=check)
     return Run(d, steps, out) if check else (rc, out)
 
 
@@ -166,7 +157,8 @@ def check_losses(ref, resumed, first, exact):
         if len(resumed.log[s]["tokens"]) == len(ref.log[s]["tokens"]):
             assert resumed.log[s]["tokens"] == ref.log[s]["tokens"], f"step {s}: a rank read other data"
         if exact:
-            assert resumed.log[s]["loss"] == ref.log[s]["loss"], f"step {s}: {resumed.log[s]['loss']!r} != {ref.log[s]['loss']!r}"
+            assert resumed.log[s]["loss"] == ref.log[s]["loss"], \
+                f"step {s}: {resumed.log[s]['loss']!r} != {ref.log[s]['loss']!r}"
     assert drel <= RTOL, f"max relative |dloss| {drel:.2e} > {RTOL}"
     return f"steps {first}-{steps[-1]}: max |dloss| {dabs:.3e} (relative {drel:.1e})"
 
@@ -189,15 +181,15 @@ def not_restored(out):
 
 
 @pytest.fixture(scope="module")
-def chain(zygote, tmp_path_factory):
+def chain(tmp_path_factory):
     """Uninterrupted (bf16 compute, SequentialLR, per-rank data, dropout 0.1); then compile on (resumed at 2),
     compile off and AC on (at 4), AC off (at 6), each resumed from the previous run's checkpoint."""
     d = tmp_path_factory.mktemp("chain")
-    ref = launch(zygote, d / "ref", 2, BF16, every=2)
+    ref = run_loop(d / "ref", 2, BF16, every=2)
     check_reference(ref)
-    compiled = launch(zygote, d / "compile", 2, [*BF16, "--compile"], every=4, resume=(ref, 2))
-    ac = launch(zygote, d / "ac", 2, [*BF16, "--ac"], every=6, resume=(compiled, 4))
-    plain = launch(zygote, d / "plain", 2, BF16, resume=(ac, 6))
+    compiled = run_loop(d / "compile", 2, [*BF16, "--compile"], every=4, resume=(ref, 2))
+    ac = run_loop(d / "ac", 2, [*BF16, "--ac"], every=6, resume=(compiled, 4))
+    plain = run_loop(d / "plain", 2, BF16, resume=(ac, 6))
     return ref, [("plain -> compile", ref, compiled, 2), ("compile -> AC", compiled, ac, 4),
                  ("AC -> plain", ac, plain, 6)]
 
@@ -236,11 +228,11 @@ def test_bf16_stores_fp32_and_resumes_exactly(chain):
           f"{check_final(ref, resumed, exact=True)}")
 
 
-def test_per_rank_state_refuses_another_world_size(zygote, chain, tmp_path):
+def test_per_rank_state_refuses_another_world_size(chain, tmp_path):
     """A per-rank data stream has no right mapping onto 1 rank: guards against a silent single copy
     (both ranks resumed rank 1's stream). The load must fail with CheckpointError naming the extra."""
     ref, _ = chain
-    rc, out = launch(zygote, tmp_path, 1, BF16, resume=(ref, 4), check=False)
+    rc, out = run_loop(tmp_path, 1, BF16, resume=(ref, 4), check=False)
     lines = [line for line in out.splitlines() if "CheckpointError" in line]
     print(f"\nresumed at world size 1 from 2: exit {rc}, {lines[-1].strip() if lines else 'no CheckpointError'}")
     assert rc != 0 and lines, out[-3000:]
@@ -248,12 +240,12 @@ def test_per_rank_state_refuses_another_world_size(zygote, chain, tmp_path):
     assert not read_log(tmp_path / "log.jsonl"), "no step may run after a refused load"
 
 
-def test_ema_not_loaded_is_seen_by_the_final_state_only(zygote, chain, tmp_path):
+def test_ema_not_loaded_is_seen_by_the_final_state_only(chain, tmp_path):
     """Negative control for state a loss comparison cannot see: --ema-not-loaded saves the EMA but does not
     pass it to load() (ckpt only warns). Guards against a continuity check blind to it: the losses and the
     model stay bit-exact, the final EMA must not, and the warning must name the extra."""
     ref, _ = chain
-    resumed = launch(zygote, tmp_path, 2, [*BF16, "--ema-not-loaded"], resume=(ref, 4))
+    resumed = run_loop(tmp_path, 2, [*BF16, "--ema-not-loaded"], resume=(ref, 4))
     losses = check_losses(ref, resumed, 5, exact=True)
     want, got = ref.last(), resumed.last()
     _, d_model, _ = compare(want["model"], got["model"], "final model")
@@ -269,15 +261,15 @@ def test_ema_not_loaded_is_seen_by_the_final_state_only(zygote, chain, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def hsdp(zygote, tmp_path_factory):
+def hsdp(tmp_path_factory):
     """HSDP uninterrupted (6 steps); resumed as HSDP at 4; resumed as 1-D FSDP at 2 and stopped at 4, which
     is resumed as HSDP."""
     d = tmp_path_factory.mktemp("hsdp")
-    ref = launch(zygote, d / "ref", 4, ["--layout", "hsdp"], steps=6, every=2)
+    ref = run_loop(d / "ref", 4, ["--layout", "hsdp"], steps=6, every=2)
     check_reference(ref)
-    same = launch(zygote, d / "same", 4, ["--layout", "hsdp"], steps=6, resume=(ref, 4))
-    to_fsdp = launch(zygote, d / "to_fsdp", 4, ["--layout", "fsdp", "--stop-after", "4"], steps=6, resume=(ref, 2))
-    back = launch(zygote, d / "back", 4, ["--layout", "hsdp"], steps=6, resume=(to_fsdp, 4))
+    same = run_loop(d / "same", 4, ["--layout", "hsdp"], steps=6, resume=(ref, 4))
+    to_fsdp = run_loop(d / "to_fsdp", 4, ["--layout", "fsdp", "--stop-after", "4"], steps=6, resume=(ref, 2))
+    back = run_loop(d / "back", 4, ["--layout", "hsdp"], steps=6, resume=(to_fsdp, 4))
     return ref, same, to_fsdp, back
 
 
@@ -306,16 +298,16 @@ def test_hsdp_to_fsdp_and_back(hsdp):
 
 
 @pytest.fixture(scope="module")
-def tp(zygote, tmp_path_factory):
+def tp(tmp_path_factory):
     """TP uninterrupted (6 steps); resumed as TP at 4; resumed as 1-D FSDP on the 2 data-parallel ranks at 4.
     Data by global sample index and no dropout: 4 TP ranks -> 2 FSDP ranks changes the world size, where
     per-rank state (data streams, RNG) has no right mapping."""
     d = tmp_path_factory.mktemp("tp")
     flags = ["--data", "global", "--dropout", "0"]
-    ref = launch(zygote, d / "ref", 4, ["--layout", "tp", *flags], steps=6, every=4)
+    ref = run_loop(d / "ref", 4, ["--layout", "tp", *flags], steps=6, every=4)
     check_reference(ref, per_rank=False)
-    same = launch(zygote, d / "same", 4, ["--layout", "tp", *flags], steps=6, resume=(ref, 4))
-    to_fsdp = launch(zygote, d / "to_fsdp", 2, ["--layout", "fsdp", *flags], steps=6, resume=(ref, 4))
+    same = run_loop(d / "same", 4, ["--layout", "tp", *flags], steps=6, resume=(ref, 4))
+    to_fsdp = run_loop(d / "to_fsdp", 2, ["--layout", "fsdp", *flags], steps=6, resume=(ref, 4))
     return ref, same, to_fsdp
 
 
@@ -345,28 +337,33 @@ def test_tp_to_fsdp(tp):
 
 # ------------------------------------------------------------------ test_resume.py pointed at this script
 
-# test_resume.py, run as users run it (python test_resume.py --script ...), but forked from the zygote
-# (tests/forkrun.py), torch imported already, and its launches forked from that process in turn
-# (forkrun.run_here) instead of torchrun: 5 imports of torch saved. torchrun itself is exercised by
-# test_multinode.py and by test_resume.py's own runs.
+# test_resume.py, run as users run it (python test_resume.py --script ...), but as a rank of tests/launch.py
+# (torch imported already) whose launches go through tests/launch.py in turn instead of torchrun: torchrun
+# and 2 x 4 rank imports saved. torchrun itself is exercised by test_multinode.py and test_resume.py's own runs.
 RESUME_BOOT = """
 import runpy, sys
 sys.path.insert(0, {repo!r})
+from tests import launch
 import tests.harness as harness
-from tests import forkrun
-harness.torchrun = lambda args, nproc=2, script=harness.TRAIN, **kw: forkrun.run_here(nproc, script, args, **kw)
+
+
+def torchrun(args, nproc=2, script=harness.TRAIN, timeout=180, env=None, check=True, cwd=None):
+    return launch.run([script, *args], nproc, env=env, timeout=timeout, check=check)
+
+
+harness.torchrun = torchrun
 sys.argv = [{script!r}, "--script", {user_loop!r}, "-p", "no:cacheprovider"]
 runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def test_resume_script_on_user_loop(zygote, tmp_path):
+def test_resume_script_on_user_loop(tmp_path):
     """test_resume.py --script (issue 11.9) on a script that is not train_fsdp.py: guards against a
     continuity test that only works for the trainer it was written with (its losses, LRs and final
     checkpoints, EMA and per-rank data streams included, must match bit for bit)."""
     boot = tmp_path / "resume_boot.py"
     boot.write_text(RESUME_BOOT.format(repo=REPO, script=os.path.join(REPO, "test_resume.py"), user_loop=USER_LOOP))
-    rc, out = zygote.run(1, boot, [], timeout=600, check=False)
+    rc, out = launch.run([boot], 1, timeout=600, check=False)
     tail = [line for line in out.splitlines() if "max |d" in line or "passed" in line or "skipped" in line]
     print("\n" + "\n".join(tail))
     assert rc == 0, out[-3000:]
