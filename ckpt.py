@@ -706,7 +706,8 @@ def _check_all(error, group, what, args=None, info=None):
 def _rank0(group, what, fn, part=None):
     """Rank 0 runs fn([every rank's part]); every rank returns its result, or raises its error."""
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    _collective(what, dist.gather_object, part, parts, dst=0, group=group)
+    if part is not None:  # the commit gathers each rank's checksums; choosing or preparing needs none
+        _collective(what, dist.gather_object, part, parts, dst=0, group=group)
     result, error = _attempt(fn, parts) if dist.get_rank() == 0 else (None, None)
     shared = [result, error]
     _collective(what, dist.broadcast_object_list, shared, src=0, group=group)
