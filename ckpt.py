@@ -553,6 +553,8 @@ def find_checkpoint(path):
     """The checkpoint load() uses: path itself if it is a checkpoint directory, else the highest step under path.
     A step whose manifest is damaged is still chosen: load() refuses it by name instead of silently going back."""
     name = os.path.basename(os.path.normpath(path))
+    if name.startswith(TMP):
+        raise CheckpointError(f"{path} is an uncommitted save (interrupted, or in progress): it is never loaded")
     if STEP_RE.match(name) or name.startswith(ABANDONED) or os.path.isfile(os.path.join(path, MANIFEST)):
         return path
     steps = _steps(path)
@@ -603,7 +605,7 @@ def read_manifest(ckpt_dir):
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read ({e}): {ckpt_dir} is not a committed checkpoint") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
         raise CheckpointError(f"{path} is not a manifest of format {FORMAT}, the one this ckpt.py reads")
     return manifest
 
