@@ -36,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import ckpt  # noqa: E402
+from tests import harness  # noqa: E402
 
 HOUR = 3600  # the checkpoint timeout of every injected failure: no rank may come near it
 SCENARIO_LIMIT = 60
@@ -56,24 +57,7 @@ PID0 = _pid0[0]  # rank 0's pid: the pid a claim of this run names
 HOST = socket.gethostname()
 
 
-class Lines(logging.Handler):
-    """ckpt's log lines, so a scenario can show that a takeover or a move was announced."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-    def take(self, *phrases):
-        """The lines since the last take() that contain any of phrases; clears the buffer."""
-        lines = [ln for ln in self.lines if any(p in ln for p in phrases)]
-        self.lines.clear()
-        return lines
-
-
-LOG = Lines()
+LOG = harness.Lines()
 logging.getLogger("ckpt").addHandler(LOG)
 logging.getLogger("ckpt").setLevel(logging.INFO)
 

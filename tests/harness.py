@@ -1,6 +1,7 @@
 """Launch real torchrun jobs from tests, always within a time limit, and read their logs."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -48,3 +49,20 @@ def read_log(path):
 def max_abs_diff(ref, got, key="loss"):
     """max |ref - got| over the steps in got (every step of got must be in ref)."""
     return max(abs(ref[s][key] - got[s][key]) for s in got)
+
+
+class Lines(logging.Handler):
+    """ckpt's log lines in a job, so that a scenario can show what was announced (a takeover, a move aside)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def take(self, *phrases):
+        """The lines since the last take() that contain any of phrases; clears the buffer."""
+        lines = [ln for ln in self.lines if any(p in ln for p in phrases)]
+        self.lines.clear()
+        return lines

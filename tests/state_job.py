@@ -33,6 +33,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
 import ckpt  # noqa: E402
+from tests import harness  # noqa: E402
 
 SCENARIO_LIMIT = 40
 N = 3  # steps trained before the save, and continued after it
@@ -137,17 +138,6 @@ class EMA:
 
     def load_state_dict(self, sd):
         self.decay, self.updates, self.shadow = sd["decay"], sd["updates"], dict(sd["shadow"])
-
-
-class Lines(logging.Handler):
-    """ckpt's log lines on this rank."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def outcome(fn):
@@ -398,7 +388,7 @@ def scen_same_and_older_step(root, out):
                 for d, _, files in os.walk(root) for f in files if f != ckpt.OWNER} | {"dirs": listing(root)}
 
     before = snapshot()
-    lines = Lines()
+    lines = harness.Lines()
     logging.getLogger("ckpt").addHandler(lines)
     try:
         same = outcome(lambda: ckpt.save(root, 3, fresh, fresh_opt))
