@@ -113,6 +113,8 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     digests = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()} if state else {}
     every = _check_all(collected.error, group, "save()", args, digests)
     per_rank = {name for name in digests if any(d[name] != digests[name] for d in every)}
+    if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
+        per_rank |= {name for name in digests if name.startswith("rng.")}
     if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     base = _base.get(root)
@@ -259,7 +261,10 @@ def _collect(model, optimizers, extra, rng, meta):  # step 1
     flat.update({f"optim.{k}": _walk(v, _restorable, f"optim.{k}") for k, v in optim_sd.items()})
     # A DTensor in an extra (an EMA, another optimizer's moments) is restored laid out like the parameter it is
     # laid out like now, on the mesh of the day: it reshards as that parameter does.
-    fqn_of_layout = {_layout(t): fqn for fqn, t in model_sd.items() if isinstance(t, DTensor)}
+    fqns_of_layout = collections.defaultdict(list)
+    for fqn, t in model_sd.items():
+        if isinstance(t, DTensor):
+            fqns_of_layout[_layout(t)].append(fqn)
     skeletons, like = {}, {}
     for name, obj in _extras(extra, rng).items():
         like[name] = {}
@@ -267,11 +272,15 @@ def _collect(model, optimizers, extra, rng, meta):  # step 1
         def leaf(key, value):  # key: extra.<name>.<path in its state>
             if not isinstance(value, DTensor):
                 return _restorable(key, value)
-            if _layout(value) not in fqn_of_layout:
+            alike = fqns_of_layout.get(_layout(value))
+            if not alike:
                 raise CheckpointError(f"{key} is a DTensor laid out like no parameter of the model "
-                                      f"({value.placements}, shape {tuple(value.shape)}): load() could not place it")
+                                      f"({value.placements}, shape {tuple(value.shape)}): load() could not place it; "
+                                      "store its full_tensor()")
             flat[key] = value  # under a key of its own, so that DCP saves each rank's shard
-            like[name][key] = fqn_of_layout[_layout(value)]
+            # Like the parameter whose name the key holds (an EMA's shadow.<fqn>), if any: it follows that one.
+            named = [fqn for fqn in alike if f".{fqn}." in f"{key}."]
+            like[name][key] = max(named, key=len) if named else alike[0]
             return None  # its place in the skeleton
 
         skeletons[name] = _walk(obj.state_dict(), leaf, f"extra.{name}")
@@ -290,7 +299,8 @@ def _walk(value, leaf, path=""):
     return leaf(path, value)
 
 def _restorable(path, value):
-    if not isinstance(value, PLAIN):
+    # The exact types: a subclass (numpy's float64, an IntEnum) would pickle, and then be refused by load().
+    if not (isinstance(value, torch.Tensor) or type(value) in PLAIN):
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         raise CheckpointError(f"{path} is a {kind}, which load() cannot restore without running code from the "
                               "checkpoint: convert it in state_dict(), and back in load_state_dict()")

@@ -223,7 +223,8 @@ def scen_lazy_ema(root, out):
     return {"loaded": loaded, "empty_at_load": empty_at_load, "layouts": layouts, "same_layout": same_layout,
             "param_placements": {n: str(p.placements) for n, p in params.items()},
             "vs_saved": vs_saved, "meta": meta, "losses": losses, "resumed": resumed, "dloss": dloss(losses, resumed),
-            "ema_diff_end": max_diff([fresh_ema.shadow[n] for n in names], [ema.shadow[n] for n in names])}
+            "ema_diff_end": max_diff([fresh_ema.shadow[n] for n in names], [ema.shadow[n] for n in names]),
+            "like": ckpt.read_manifest(ckpt.find_checkpoint(root))["extra"]["ema"]["like"]}
 
 
 def two_optimizers(model):

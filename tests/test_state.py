@@ -168,7 +168,8 @@ def test_numpy_values_are_refused_at_save(tmp_path):
     model, opt = make()
     cases = {".pos.array": {"pos": {"array": np.arange(6, dtype=np.float32)}},
              ".scalar": {"scalar": np.int64(7)},
-             "the key": {np.int64(3): 1}}
+             "the key": {np.int64(3): 1},
+             ".float": {"float": np.float64(1.5)}}  # a float subclass: it would pickle, then load() would refuse it
     refused = {}
     for i, (where, state) in enumerate(cases.items()):
         with pytest.raises(ckpt.CheckpointError) as e:
@@ -180,6 +181,19 @@ def test_numpy_values_are_refused_at_save(tmp_path):
         assert where in msg and "numpy." in msg and "cannot restore without running code from the checkpoint" in msg
     assert "numpy.ndarray" in refused[".pos.array"] and "numpy.int64" in refused[".scalar"]
     assert "extra.data.pos.array" in refused[".pos.array"] and "extra.data.scalar" in refused[".scalar"]
+
+
+def test_generators_saved_by_one_rank_are_kept_per_rank(tmp_path):
+    """At world size 1 a generator seeded per rank cannot be told from one seeded alike, so the random generators
+    are stored per rank: resumed at another world size they are left as each process seeded them (with a warning)
+    instead of handing every rank the one saved stream. Guards against identical dropout masks on every rank after
+    growing a one-process run."""
+    model, opt = make()
+    ckpt.save(str(tmp_path), 1, model, opt)
+    extras = ckpt.read_manifest(ckpt.step_dir(str(tmp_path), 1))["extra"]
+    print(f"\nper rank at world size 1: {({n: e['per_rank'] for n, e in extras.items()})}")
+    assert {n for n in extras if n.startswith("rng.")} == {"rng.torch", "rng.python"}
+    assert all(e["per_rank"] for n, e in extras.items() if n.startswith("rng."))
 
 
 def test_refused_dict_key_names_its_extra(tmp_path):
@@ -408,6 +422,11 @@ def test_lazy_ema_comes_back_as_dtensors(job):
         assert all(v["type"] == "DTensor" for v in res["layouts"].values())
         assert res["vs_saved"] == 0 and res["meta"] == {"decay": 0.9, "updates": state_job.N}
         assert res["dloss"] == 0 and res["ema_diff_end"] == 0
+        # Each shadow tensor follows the parameter of its own name (not merely one laid out alike), so it reshards
+        # with it if that parameter alone changes its layout.
+        followed = {key.removeprefix("extra.ema.shadow."): fqn for key, fqn in res["like"].items()}
+        print(f"rank {r}: shadow -> parameter it follows: {followed}")
+        assert followed == {n: n for n in res["param_placements"]}
 
 
 def test_optimizer_in_extra_before_its_first_step(job):
