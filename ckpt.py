@@ -45,7 +45,6 @@ The random generators are the extras rng.torch, rng.cuda and rng.python.
 import collections
 import concurrent.futures
 import datetime
-import errno
 import hashlib
 import json
 import logging
@@ -56,7 +55,6 @@ import re
 import shutil
 import socket
 import time
-import types
 import uuid
 import zlib
 
@@ -84,6 +82,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
 
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
+Generator = collections.namedtuple("Generator", "state_dict load_state_dict")  # a random generator, as an extra
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
 _claims = {}  # root -> the id of this run's claim on it (rank 0)
 _base = {}  # root -> the step this run continues from there (loaded or last committed)
@@ -128,7 +127,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         state.flat[f"rank.{rank}.extra.{name}" if name in per_rank else f"extra.{name}"] = skeleton
 
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
-    tmp = _rank0(group, f"save: prepare step {step} in {root}", lambda _: _prepare(root, step))
+    tmp = _rank0(group, f"save: prepare step {step} in {root}", _prepare, root, step)
     _check_shared(group, tmp)
     extras = {name: {"per_rank": name in per_rank, "like": like} for name, like in state.like.items()}
     manifest = {"format": FORMAT, "step": step, "world_size": world, "torch_version": torch.__version__,
@@ -136,8 +135,8 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     pending = PendingSave(Commit(root, step, tmp, manifest, group, keep, base))
 
     # 4. Write; 5-6 in wait(). A synchronous save takes the same path as an async one.
+    pending.job = concurrent.futures.Future()
     if not async_save:
-        pending.job = concurrent.futures.Future()
         pending.job.set_result(_attempt(_write, state.flat, tmp, group))
         return pending.wait()
     if not _stagers:  # kept until close(): from the second async save on, it copies into memory already allocated
@@ -147,10 +146,10 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     # Copied before anything collective starts: a rank that cannot (out of host memory) fails every rank here.
     staged = _attempt(_stagers[0].stage, state.flat)
     _check_all(staged.error, group, "save: copy the state to host memory")
-    # From here training may change the parameters: the thread writes the copy.
+    # From here training may change the parameters: the thread writes the copy, and ends with it.
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
     pending.job = pool.submit(_attempt, _write, staged.value, tmp, group)
-    pool.shutdown(wait=False)  # the thread ends with the job
+    pool.shutdown(wait=False)  # not "with": leaving it would wait for the write
     _in_flight.append(pending)
     return pending
 
@@ -168,7 +167,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
             "rng": rng, "verify": verify}
     _check_all(None, group, "load()", args)
     # 2. Choose: rank 0 alone looks, so that every rank loads the same checkpoint.
-    ckpt_dir, manifest = _rank0(group, f"load: find a checkpoint in {path}", lambda _: _choose(path))
+    ckpt_dir, manifest = _rank0(group, f"load: find a checkpoint in {path}", _choose, path)
     if ckpt_dir is None:
         return None
     # 3. Verify, each rank its share of the files, before anything is read.
@@ -199,7 +198,7 @@ def check_root(root, timeout=DEFAULT_TIMEOUT):
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
     _check_all(None, group, "check_root()", {"root": root})
-    _rank0(group, f"check of the checkpoint root {root}", lambda _: _claim(root))
+    _rank0(group, f"check of the checkpoint root {root}", _claim, root)
     _check_shared(group, os.path.join(root, OWNER))
 
 def close():
@@ -233,12 +232,12 @@ class PendingSave:
 
     def wait(self):
         if self.path is None:
-            written = self.job.result()
+            c, written = self.commit, self.job.result()
             if self in _in_flight:  # only now is the write over: a wait() interrupted above leaves it in flight
                 _in_flight.remove(self)
-            # 5. Rank 0 gathers every rank's checksums (or error) and commits; no rank returns before it has.
-            c = self.commit
-            self.path = _rank0(c.group, f"save of step {c.step}", lambda parts: _commit(c, parts), tuple(written))
+            # 5. Rank 0 commits with every rank's checksums (or error); no rank returns before it has.
+            parts = _check_all(None, c.group, f"save of step {c.step}", info=tuple(written))
+            self.path = _rank0(c.group, f"save of step {c.step}", _commit, c, parts)
             _base[c.root] = c.step
             log.info("checkpoint %s committed", self.path)
         return self.path
@@ -259,8 +258,8 @@ def _collect(model, optimizers, extra, rng, meta):  # step 1
     model_sd, optim_sd = _state_dicts(model, optimizers)
     flat = {f"model.{k}": v for k, v in model_sd.items()}
     flat.update({f"optim.{k}": _walk(v, _restorable, f"optim.{k}") for k, v in optim_sd.items()})
-    # A DTensor in an extra (an EMA, another optimizer's moments) is restored laid out like the parameter it is
-    # laid out like now, on the mesh of the day: it reshards as that parameter does.
+    # A DTensor in an extra (an EMA, another optimizer's moments) is restored laid out like a parameter it is laid
+    # out like now, on the mesh of the day: it reshards as that parameter does.
     fqns_of_layout = collections.defaultdict(list)
     for fqn, t in model_sd.items():
         if isinstance(t, DTensor):
@@ -286,6 +285,22 @@ def _collect(model, optimizers, extra, rng, meta):  # step 1
         skeletons[name] = _walk(obj.state_dict(), leaf, f"extra.{name}")
     return Collected(flat, skeletons, like, _optimizer_summary(optimizers, _param_names(model, model_sd)))
 
+def _check_optimizer_state(model, optimizers):
+    """torch flattens optimizer state made of tensors, numbers and dicts only: refuse anything else by name."""
+    names = {p: name for name, p in model.named_parameters()}
+    for i, opt in enumerate(optimizers):
+        for param, state in opt.state.items():
+            for key, value in state.items():
+                if not isinstance(value, (torch.Tensor, int, float, dict)):
+                    raise CheckpointError(f"optimizer {i} ({type(opt).__name__}): state {key!r} of parameter "
+                                          f"{names.get(param)} is a {type(value).__name__}; only tensors, numbers "
+                                          "and dicts are saved by parameter name: drop or convert it before save()")
+
+def _state_dicts(model, optimizers):  # on load, torch gives a fresh optimizer placeholder state
+    if optimizers:
+        return get_state_dict(model, optimizers, options=SD_OPTIONS)
+    return get_model_state_dict(model, options=SD_OPTIONS), {}
+
 def _walk(value, leaf, path=""):
     """value rebuilt with leaf(path, x) in place of each leaf x of its dicts, lists and tuples; a dict key that
     load() could not restore is refused."""
@@ -309,22 +324,6 @@ def _restorable(path, value):
 def _layout(t):
     return t.device_mesh, tuple(t.placements), tuple(t.shape)
 
-def _check_optimizer_state(model, optimizers):
-    """torch flattens optimizer state made of tensors, numbers and dicts only: refuse anything else by name."""
-    names = {p: name for name, p in model.named_parameters()}
-    for i, opt in enumerate(optimizers):
-        for param, state in opt.state.items():
-            for key, value in state.items():
-                if not isinstance(value, (torch.Tensor, int, float, dict)):
-                    raise CheckpointError(f"optimizer {i} ({type(opt).__name__}): state {key!r} of parameter "
-                                          f"{names.get(param)} is a {type(value).__name__}; only tensors, numbers "
-                                          "and dicts are saved by parameter name: drop or convert it before save()")
-
-def _state_dicts(model, optimizers):  # on load, torch gives a fresh optimizer placeholder state
-    if optimizers:
-        return get_state_dict(model, optimizers, options=SD_OPTIONS)
-    return get_model_state_dict(model, options=SD_OPTIONS), {}
-
 def _extras(extra, rng):  # the caller's extras and, with rng, the random generators
     for name, obj in (extra or {}).items():
         if not isinstance(name, str) or not name or "." in name or name == "rng":
@@ -332,16 +331,25 @@ def _extras(extra, rng):  # the caller's extras and, with rng, the random genera
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):  # restored in place
             raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, which has no state_dict() and "
                                   "load_state_dict(): wrap it in an object that has both")
-    if not rng:
-        return dict(extra or {})
-    generators = {"rng.torch": _generator(torch.get_rng_state, torch.set_rng_state),
-                  "rng.python": _generator(random.getstate, random.setstate)}
-    if torch.cuda.is_available():
-        generators["rng.cuda"] = _generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+    generators = {}
+    if rng:
+        generators["rng.torch"] = Generator(torch.get_rng_state, torch.set_rng_state)
+        generators["rng.python"] = Generator(random.getstate, random.setstate)
+    if rng and torch.cuda.is_available():
+        generators["rng.cuda"] = Generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
     return {**(extra or {}), **generators}
 
-def _generator(get_state, set_state):
-    return types.SimpleNamespace(state_dict=get_state, load_state_dict=set_state)
+def _digest(value):
+    """A digest of a value: of its tensors, their bytes (pickles of equal tensors differ between processes)."""
+    h = hashlib.sha256()
+
+    def leaf(path, x):
+        if isinstance(x, torch.Tensor):
+            x = (x.dtype, x.shape, x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        h.update(path.encode() + pickle.dumps(x))
+
+    _walk(value, leaf)
+    return h.hexdigest()[:16]
 
 def _prepare(root, step):  # step 3, rank 0
     _claim(root)
@@ -367,7 +375,7 @@ def _write(state, tmp, group):
     paths = {name: os.path.join(tmp, name) for name in _share(os.listdir(tmp))}
     return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
 
-def _commit(c, parts):  # steps 5-6, rank 0
+def _commit(c, parts):  # steps 5-6, rank 0; parts: each rank's Outcome of _write()
     failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(parts) if error]
     if failed:
         shutil.rmtree(c.tmp, ignore_errors=True)  # frees the space, on a full disk say
@@ -414,10 +422,6 @@ def _unique(root, prefix, step):
 
 # ---- load, step by step ----
 
-# request: what dcp.load() reads into; live: the model's and optimizers' state; names: {parameter: its names};
-# without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key, DTensor keys)}.
-Plan = collections.namedtuple("Plan", "request live names without extras")
-
 def _choose(path):  # step 2, rank 0
     found = find_checkpoint(path)
     try:
@@ -434,6 +438,10 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
                f"there is {newest}"
     older = [s for s in steps if STEP_RE.match(name) and s < int(STEP_RE.match(name).group(1))]
     return f" The newest older commit is {step_dir(root, older[-1])}: pass it to load it." if older else ""
+
+# request: what dcp.load() reads into; live: the model's and optimizers' state; names: {parameter: its names};
+# without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key, DTensor keys)}.
+Plan = collections.namedtuple("Plan", "request live names without extras")
 
 def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
     """Step 4: what dcp.load() reads into, checked against the checkpoint: the live model and optimizer state;
@@ -596,18 +604,6 @@ def verify_files(ckpt_dir, manifest, names=None, checksums=True):
             errors.append(f"{path} does not match its checksum (corrupted)")
     return errors
 
-def _digest(value):
-    """A digest of a value: of its tensors, their bytes (pickles of equal tensors differ between processes)."""
-    h = hashlib.sha256()
-
-    def leaf(path, x):
-        if isinstance(x, torch.Tensor):
-            x = (x.dtype, x.shape, x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        h.update(path.encode() + pickle.dumps(x))
-
-    _walk(value, leaf)
-    return h.hexdigest()[:16]
-
 def read_manifest(ckpt_dir):
     path = os.path.join(ckpt_dir, MANIFEST)
     try:
@@ -715,17 +711,10 @@ def _check_all(error, group, what, args=None, info=None):
         raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
     return [rank_info for _, _, rank_info in reports]
 
-def _rank0(group, what, fn, part=None):
-    """Rank 0 runs fn([every rank's part]); every rank returns its result, or raises its error."""
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    if part is not None:  # the commit gathers each rank's checksums; choosing or preparing needs none
-        _collective(what, dist.gather_object, part, parts, dst=0, group=group)
-    result, error = _attempt(fn, parts) if dist.get_rank() == 0 else (None, None)
-    shared = [result, error]
-    _collective(what, dist.broadcast_object_list, shared, src=0, group=group)
-    if shared[1]:
-        raise CheckpointError(f"{what} failed on rank 0: {shared[1]}")
-    return shared[0]
+def _rank0(group, what, fn, *args):
+    """Rank 0 alone runs fn(*args) (it alone touches the root); every rank returns its result, or raises its error."""
+    outcome = _attempt(fn, *args) if dist.get_rank() == 0 else Outcome(None, None)
+    return _check_all(outcome.error, group, what, info=outcome.value)[0]
 
 def _as_list(optimizer):
     return [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -745,17 +734,12 @@ def _claim(root):
           "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")}
     owner = _read_owner(path)
     if owner is not None:
-        # Its run is gone, and the claim ours to take: when it is this job (requeued, or restarted by torchrun),
-        # its process is no more on this host (our very pid: an earlier life of it, in a restarted container),
-        # or the claim is half-written (its run died writing it).
-        same_job = owner.get("job") is not None and owner.get("job") == me["job"]
-        dead = owner.get("host") == me["host"] and (owner.get("pid") == me["pid"] or not _alive(owner.get("pid")))
-        if owner and not (same_job or dead):
+        gone = _why_gone(owner, me)
+        if not gone:
             who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
             raise CheckpointError(f"{root} is in use by another run ({who}): stop it or use another root; if that "
                                   f"run is gone (it crashed on another host), delete {path}. (load() takes no claim.)")
-        why = "its process is gone" if dead else "this job, requeued" if same_job else "it is half-written"
-        log.warning("taking over %s from %s: %s", root, owner, why)
+        log.warning("taking over %s from %s: its run is gone (%s)", root, owner, gone)
         os.remove(path)
     try:  # "x": create-exclusive, atomic on local file systems and NFS v3+ (flock is not reliable on NFS)
         with open(path, "x") as f:
@@ -777,9 +761,20 @@ def _read_owner(path):  # the claim's record: None if there is none, {} if its r
     except ValueError:
         return {}
 
-def _alive(pid):
+def _why_gone(owner, me):
+    """Why the run that made a claim is gone, or None: it may live (on another host, say: no heartbeat judges)."""
+    if not owner:
+        return "it is half-written"  # its run died writing it
+    if owner.get("job") is not None and owner.get("job") == me["job"]:
+        return "this job, requeued"  # by SLURM, or restarted by torchrun
+    if owner.get("host") != me["host"]:
+        return None
+    if owner.get("pid") == me["pid"]:
+        return "its process is gone"  # our very pid: an earlier life of it, in a restarted container
     try:
-        os.kill(pid, 0)  # signal 0: is there such a process?
-    except OSError as e:
-        return e.errno != errno.ESRCH  # EPERM: there is, another user's
-    return True
+        os.kill(owner.get("pid"), 0)  # signal 0: is there such a process?
+    except ProcessLookupError:
+        return "its process is gone"
+    except (OSError, TypeError):  # another user's process (EPERM); or no pid at all
+        pass
+    return None
