@@ -458,14 +458,18 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
     request = {k: v for k, v in live.items() if not k.startswith(skipped)}
     _match(ckpt_dir, saved, request, live, optimizers)
     extras, resized = {}, manifest["world_size"] != dist.get_world_size()
-    for name, obj in _extras(extra, rng).items():
+    wanted = _extras(extra, rng)
+    unrestored = [f"{name} (not passed to load())" for name in sorted(set(manifest["extra"]) - set(wanted))
+                  if rng or not name.startswith("rng.")]
+    for name, obj in wanted.items():
         entry = manifest["extra"].get(name)
         if entry is None and name.startswith("rng."):
             continue  # a generator saved with rng=False, or without CUDA
         if entry is None:
             raise CheckpointError(f"extra {name!r} is not in {ckpt_dir}, which holds {sorted(manifest['extra'])}")
-        if entry["per_rank"] and resized and name.startswith("rng."):
-            continue  # a generator that differed between ranks: N streams do not map onto M ranks; left as it is
+        if entry["per_rank"] and resized and name.startswith("rng."):  # N streams do not map onto M ranks
+            unrestored.append(f"{name} (per rank at another world size: left as this process has it)")
+            continue
         if entry["per_rank"] and resized:
             raise CheckpointError(f"extra {name!r} differed between ranks when saved at world size "
                                   f"{manifest['world_size']}, so it cannot go to {dist.get_world_size()} ranks: "
@@ -475,9 +479,8 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
         for key, fqn in entry["like"].items():
             request[key] = _empty_like(saved[key], model_sd.get(fqn))
         extras[name] = (obj, skeleton, list(entry["like"]))
-    if set(manifest["extra"]) - set(extras) and dist.get_rank() == 0:
-        log.warning("not restored from %s: %s (not passed to load(), or per rank at another world size)", ckpt_dir,
-                    ", ".join(sorted(set(manifest["extra"]) - set(extras))))
+    if unrestored and dist.get_rank() == 0:
+        log.warning("not restored from %s: %s", ckpt_dir, ", ".join(unrestored))
     return Plan(request, live, names, without, extras)
 
 def _match(ckpt_dir, saved, request, live, optimizers):

@@ -370,6 +370,22 @@ def scen_dtype(root, out):
     return r
 
 
+def scen_summary_mismatch(root, out):
+    """i. The manifest says a parameter's optimizer state was at another step than what the shards hold."""
+    model = build(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(2):
+        train_step(model, [opt], i)
+    path = ckpt.save(root, 2, model, opt)
+    if rank() == 0:
+        manifest = ckpt.read_manifest(path)
+        manifest["optimizer"]["a.weight"][1] = 7.0  # saved at step 2.0
+        with open(os.path.join(path, ckpt.MANIFEST), "w") as f:
+            json.dump(manifest, f)
+    fresh = build(1)
+    return outcome(lambda: ckpt.load(root, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)))
+
+
 def scen_same_and_older_step(root, out):
     """h. save() of the step just loaded writes nothing; save() of an older one is refused."""
     model = build(0)
@@ -404,7 +420,7 @@ def scen_same_and_older_step(root, out):
 
 
 ORDER = ["multi_opt", "lazy_ema", "optimizer_extra", "mixed_extra", "unplaceable", "optimizer_refusals", "dtype",
-         "same_and_older_step"]
+         "summary_mismatch", "same_and_older_step"]
 
 
 def main():

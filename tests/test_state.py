@@ -503,6 +503,15 @@ def test_model_of_another_dtype_is_refused(job):
     assert all(r["dtypes"] == ["torch.bfloat16"] and r["weights_changed"] == 0 for r in res)
 
 
+def test_optimizer_state_is_checked_after_load(job):
+    """A checkpoint whose manifest records another step for a parameter's optimizer state than its shards hold is
+    refused after the read, on every rank, naming the parameter and both. Guards against optimizer state restored
+    from the wrong step, or not at all, passing silently (the field's loss spike after a resume)."""
+    msg = refused_everywhere(scenario(job, "summary_mismatch"), "optimizer state of a.weight after loading",
+                             "2.0", "7.0")
+    print(f"\n{msg[:300]}")
+
+
 def test_save_of_the_loaded_step_and_of_an_older_one(job):
     """After load() of step 3, save(3) (sync and async) writes nothing, logs 'nothing to save' and returns the
     step's path; save(2) is refused on every rank ('is before step'), writing nothing. Guards against a resumed
