@@ -68,9 +68,7 @@ def find(path):
     if not os.path.isdir(path):
         raise ConsolidateError(f"{path} {'is not a directory' if os.path.exists(path) else 'does not exist'}: "
                                "give a checkpoint directory (step-NNNNNNNN) or a checkpoint root")
-    if os.path.basename(path).startswith(ckpt.TMP):  # a save in progress or interrupted: its files may be partial
-        raise ConsolidateError(f"{path} is an uncommitted save (interrupted or in progress): give a step-NNNNNNNN")
-    found = ckpt.find_checkpoint(path)
+    found = ckpt.find_checkpoint(path)  # refuses a .tmp- directory: an uncommitted save's files may be partial
     if found is None:
         raise ConsolidateError(f"no committed checkpoint (step-NNNNNNNN with {ckpt.MANIFEST}) under {path}")
     return found
