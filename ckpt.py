@@ -436,7 +436,8 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
         newest = step_dir(root, steps[-1]) if steps else None
         return f" {ckpt_dir} does not exist (removed by the retention of a run writing {root}?): the newest commit " \
                f"there is {newest}"
-    older = [s for s in steps if STEP_RE.match(name) and s < int(STEP_RE.match(name).group(1))]
+    match = STEP_RE.match(name)
+    older = [s for s in steps if match and s < int(match.group(1))]
     return f" The newest older commit is {step_dir(root, older[-1])}: pass it to load it." if older else ""
 
 # request: what dcp.load() reads into; live: the model's and optimizers' state; names: {parameter: its names};
