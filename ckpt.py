@@ -44,6 +44,8 @@ The random generators are the extras rng.torch, rng.cuda and rng.python.
 
 import collections
 import concurrent.futures
+import collections
+import concurrent.futures
 import datetime
 import hashlib
 import json
@@ -54,7 +56,6 @@ import random
 import re
 import shutil
 import socket
-import time
 import uuid
 import zlib
 
@@ -64,7 +65,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
@@ -101,7 +102,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     group, rank, world = checkpoint_group(timeout), dist.get_rank(), dist.get_world_size()
     root, optimizers = os.path.realpath(root), _as_list(optimizer)
     # 1. Collect (user code runs here: the extras' state_dict()).
-    collected = _attempt(_collect, model, optimizers, extra, rng, meta)
+    collected = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta)
     state = collected.value
     # 2. Agree. DCP stores one copy of a value that is not a DTensor, so every rank must hold the same; an extra
     # whose state differs between ranks is stored per rank instead.
@@ -114,8 +115,6 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     per_rank = {name for name in digests if any(d[name] != digests[name] for d in every)}
     if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
         per_rank |= {name for name in digests if name.startswith("rng.")}
-    if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
-        raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     base = _base.get(root)
     if base is not None and step < base:
         raise CheckpointError(f"save(): step {step} is before step {base}, which this run loaded or committed in "
@@ -203,8 +202,7 @@ def check_root(root, timeout=DEFAULT_TIMEOUT):
 
 def close():
     """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): commit a save in flight,
-    release the root, free the async host buffers, and destroy ckpt's process groups, which must not outlive the
-    default one."""
+    release the root, free the async host buffers, and destroy ckpt's process groups (not to outlive the default)."""
     try:
         wait_pending()
     finally:
@@ -252,10 +250,13 @@ def wait_pending():  # commit the save in flight, if any (on every rank)
 # parameter it is laid out like}}; optimizer: see _optimizer_summary().
 Collected = collections.namedtuple("Collected", "flat skeletons like optimizer")
 
-def _collect(model, optimizers, extra, rng, meta):  # step 1
+def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
+    if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
+        raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
-    _check_optimizer_state(model, optimizers)
-    model_sd, optim_sd = _state_dicts(model, optimizers)
+    model_sd = get_model_state_dict(model, options=SD_OPTIONS)
+    summary = _optimizer_summary(optimizers, _param_names(model, model_sd))  # before torch's flattening refuses
+    optim_sd = get_optimizer_state_dict(model, optimizers, options=SD_OPTIONS) if optimizers else {}
     flat = {f"model.{k}": v for k, v in model_sd.items()}
     flat.update({f"optim.{k}": _walk(v, _restorable, f"optim.{k}") for k, v in optim_sd.items()})
     # A DTensor in an extra (an EMA, another optimizer's moments) is restored laid out like a parameter it is laid
@@ -283,23 +284,7 @@ def _collect(model, optimizers, extra, rng, meta):  # step 1
             return None  # its place in the skeleton
 
         skeletons[name] = _walk(obj.state_dict(), leaf, f"extra.{name}")
-    return Collected(flat, skeletons, like, _optimizer_summary(optimizers, _param_names(model, model_sd)))
-
-def _check_optimizer_state(model, optimizers):
-    """torch flattens optimizer state made of tensors, numbers and dicts only: refuse anything else by name."""
-    names = {p: name for name, p in model.named_parameters()}
-    for i, opt in enumerate(optimizers):
-        for param, state in opt.state.items():
-            for key, value in state.items():
-                if not isinstance(value, (torch.Tensor, int, float, dict)):
-                    raise CheckpointError(f"optimizer {i} ({type(opt).__name__}): state {key!r} of parameter "
-                                          f"{names.get(param)} is a {type(value).__name__}; only tensors, numbers "
-                                          "and dicts are saved by parameter name: drop or convert it before save()")
-
-def _state_dicts(model, optimizers):  # on load, torch gives a fresh optimizer placeholder state
-    if optimizers:
-        return get_state_dict(model, optimizers, options=SD_OPTIONS)
-    return get_model_state_dict(model, options=SD_OPTIONS), {}
+    return Collected(flat, skeletons, like, summary)
 
 def _walk(value, leaf, path=""):
     """value rebuilt with leaf(path, x) in place of each leaf x of its dicts, lists and tuples; a dict key that
@@ -331,13 +316,11 @@ def _extras(extra, rng):  # the caller's extras and, with rng, the random genera
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):  # restored in place
             raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, which has no state_dict() and "
                                   "load_state_dict(): wrap it in an object that has both")
-    generators = {}
-    if rng:
-        generators["rng.torch"] = Generator(torch.get_rng_state, torch.set_rng_state)
-        generators["rng.python"] = Generator(random.getstate, random.setstate)
-    if rng and torch.cuda.is_available():
+    generators = {"rng.torch": Generator(torch.get_rng_state, torch.set_rng_state),
+                  "rng.python": Generator(random.getstate, random.setstate)}
+    if torch.cuda.is_available():
         generators["rng.cuda"] = Generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
-    return {**(extra or {}), **generators}
+    return {**(extra or {}), **(generators if rng else {})}
 
 def _digest(value):
     """A digest of a value: of its tensors, their bytes (pickles of equal tensors differ between processes)."""
@@ -430,15 +413,10 @@ def _choose(path):  # step 2, rank 0
         raise CheckpointError(f"refusing to load a damaged checkpoint: {e}.{_instead(found)}") from None
 
 def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged or gone
-    root, name = os.path.split(ckpt_dir)
-    steps = _steps(root)
-    if not os.path.isdir(ckpt_dir):
-        newest = step_dir(root, steps[-1]) if steps else None
-        return f" {ckpt_dir} does not exist (removed by the retention of a run writing {root}?): the newest commit " \
-               f"there is {newest}"
-    match = STEP_RE.match(name)
-    older = [s for s in steps if match and s < int(match.group(1))]
-    return f" The newest older commit is {step_dir(root, older[-1])}: pass it to load it." if older else ""
+    root = os.path.dirname(ckpt_dir)
+    others = [step_dir(root, step) for step in _steps(root) if step_dir(root, step) != ckpt_dir]
+    gone = "" if os.path.isdir(ckpt_dir) else f" {ckpt_dir} does not exist (removed by another run's retention?)."
+    return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
 # request: what dcp.load() reads into; live: the model's and optimizers' state; names: {parameter: its names};
 # without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key, DTensor keys)}.
@@ -447,11 +425,12 @@ Plan = collections.namedtuple("Plan", "request live names without extras")
 def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
     """Step 4: what dcp.load() reads into, checked against the checkpoint: the live model and optimizer state;
     each extra's skeleton, and empty DTensors laid out like the parameters they were laid out like."""
-    model_sd, optim_sd = _state_dicts(model, optimizers)
-    live = {**{f"model.{k}": v for k, v in model_sd.items()}, **{f"optim.{k}": v for k, v in optim_sd.items()}}
-    names = _param_names(model, model_sd)
     if optimizers and manifest["optimizer"] is None:
         raise CheckpointError(f"{ckpt_dir} was saved without optimizer state: load it with optimizer=None")
+    model_sd = get_model_state_dict(model, options=SD_OPTIONS)
+    optim_sd = get_optimizer_state_dict(model, optimizers, options=SD_OPTIONS) if optimizers else {}
+    live = {**{f"model.{k}": v for k, v in model_sd.items()}, **{f"optim.{k}": v for k, v in optim_sd.items()}}
+    names = _param_names(model, model_sd)
     # A parameter saved without optimizer state (never stepped, frozen) keeps none: the placeholders torch made
     # for it are not read, and _restore() drops them.
     without = [p for p, fqns in names.items() if optimizers and fqns[0] not in manifest["optimizer"]]
@@ -540,10 +519,16 @@ def _restore(plan, model, optimizers, saved_summary):
                                   f"saved: {saved_summary.get(fqn)}")
 
 def _optimizer_summary(optimizers, names):
-    """{parameter name: [its optimizer state's keys, its step]}: saved in the manifest, checked after a load."""
+    """{parameter name: [its optimizer state's keys, its step]}: saved in the manifest, checked after a load.
+    torch keys optimizer state by parameter name only if it holds tensors, numbers and dicts: the rest is refused."""
     summary = {}
-    for opt in optimizers:
+    for i, opt in enumerate(optimizers):
         for param, state in opt.state.items():
+            for key, value in state.items():
+                if not isinstance(value, (torch.Tensor, int, float, dict)):
+                    raise CheckpointError(f"optimizer {i} ({type(opt).__name__}): state {key!r} of parameter "
+                                          f"{names[param][0]} is a {type(value).__name__}; only tensors, numbers "
+                                          "and dicts are saved by parameter name: drop or convert it before save()")
             summary[names[param][0]] = [sorted(state), float(state["step"]) if "step" in state else None]
     return summary
 
@@ -619,8 +604,7 @@ def read_manifest(ckpt_dir):
         raise CheckpointError(f"{path} is not a manifest of format {FORMAT}, the one this ckpt.py reads")
     return manifest
 
-def fsync_dir(path):
-    # A rename is durable only once the directory that holds it is flushed.
+def fsync_dir(path):  # a rename is durable only once the directory that holds it is flushed
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -688,8 +672,7 @@ def _collective(what, fn, *args, **kwargs):  # a timeout or a lost peer becomes 
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        for timeout in [t for t, g in _groups.items() if g is kwargs.get("group")]:
-            del _groups[timeout]  # a gloo group that timed out is unusable: the next call makes a fresh one
+        _groups.clear()  # a gloo group that timed out is unusable: the next call makes a fresh one
         raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {dist.get_rank()}: not every "
                               "rank reached it within the checkpoint timeout (called on every rank? did a rank "
                               f"crash or hang?). Cause: {e}") from e
@@ -734,15 +717,16 @@ def _claim(root):
             raise CheckpointError(f"this run lost its claim on {root}: another run took it over and writes there")
         return
     os.makedirs(root, exist_ok=True)
-    me = {"run": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "started": time.ctime(),
+    me = {"run": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+          "started": datetime.datetime.now().isoformat(timespec="seconds"),
           "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")}
     owner = _read_owner(path)
+    gone = owner is not None and _why_gone(owner, me)
+    if owner is not None and not gone:
+        who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
+        raise CheckpointError(f"{root} is in use by another run ({who}): stop it or use another root; if that "
+                              f"run is gone (it crashed on another host), delete {path}. (load() takes no claim.)")
     if owner is not None:
-        gone = _why_gone(owner, me)
-        if not gone:
-            who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
-            raise CheckpointError(f"{root} is in use by another run ({who}): stop it or use another root; if that "
-                                  f"run is gone (it crashed on another host), delete {path}. (load() takes no claim.)")
         log.warning("taking over %s from %s: its run is gone (%s)", root, owner, gone)
         os.remove(path)
     try:  # "x": create-exclusive, atomic on local file systems and NFS v3+ (flock is not reliable on NFS)
@@ -771,14 +755,14 @@ def _why_gone(owner, me):
         return "it is half-written"  # its run died writing it
     if owner.get("job") is not None and owner.get("job") == me["job"]:
         return "this job, requeued"  # by SLURM, or restarted by torchrun
-    if owner.get("host") != me["host"]:
+    if owner.get("host") != me["host"] or not isinstance(owner.get("pid"), int):
         return None
-    if owner.get("pid") == me["pid"]:
+    if owner["pid"] == me["pid"]:
         return "its process is gone"  # our very pid: an earlier life of it, in a restarted container
     try:
-        os.kill(owner.get("pid"), 0)  # signal 0: is there such a process?
+        os.kill(owner["pid"], 0)  # signal 0: is there such a process?
     except ProcessLookupError:
         return "its process is gone"
-    except (OSError, TypeError):  # another user's process (EPERM); or no pid at all
+    except OSError:  # EPERM: another user's process
         pass
     return None

@@ -624,7 +624,7 @@ def outcome(d, name):
 def test_damaged_checkpoint_is_refused(loads, case):
     """A truncated, bit-flipped or incomplete checkpoint, or a damaged manifest: the field's resume that trusts
     whatever is on disk (Lightning #688, #19970) or silently goes back to an older step (composer #2146). It must
-    be refused on every rank, naming the file, and naming the newest older commit to load instead."""
+    be refused on every rank, naming the file, and naming the newest other commit to load instead."""
     res = outcome(loads, case)
     _, bad, why = DAMAGE[case]
     print(f"\n{case}: step {res['step']}, error: {str(res['error'])[:500]}")
@@ -634,7 +634,7 @@ def test_damaged_checkpoint_is_refused(loads, case):
     assert res["step"] is None and res["error"], "a damaged checkpoint must be refused, not loaded"
     assert "refusing to load a damaged checkpoint" in res["error"] and why in res["error"]
     assert f"step-00000008/{bad}" in res["error"], "the error must name the damaged file"
-    assert f"The newest older commit is {loads / case / 'step-00000006'}: pass it to load it" in res["error"]
+    assert f"The newest other commit is {loads / case / 'step-00000006'}: pass it to load it" in res["error"]
 
 
 def test_hostile_pickles_do_not_run(loads):
