@@ -44,8 +44,6 @@ The random generators are the extras rng.torch, rng.cuda and rng.python.
 
 import collections
 import concurrent.futures
-import collections
-import concurrent.futures
 import datetime
 import hashlib
 import json
