@@ -63,7 +63,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
@@ -100,8 +100,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     group, rank, world = checkpoint_group(timeout), dist.get_rank(), dist.get_world_size()
     root, optimizers = os.path.realpath(root), _as_list(optimizer)
     # 1. Collect (user code runs here: the extras' state_dict()).
-    collected = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta)
-    state = collected.value
+    state, collect_error = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta)
     # 2. Agree. DCP stores one copy of a value that is not a DTensor, so every rank must hold the same; an extra
     # whose state differs between ranks is stored per rank instead.
     once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
@@ -109,8 +108,9 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
             "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
             "buffers, optimizer steps and options (stored once: synchronize them)": _digest(once)}
     digests = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()} if state else {}
-    every = _check_all(collected.error, group, "save()", args, digests)
-    per_rank = {name for name in digests if any(d[name] != digests[name] for d in every)}
+    every = _check_all(collect_error, group, "save()", args, digests)
+    alike = set.intersection(*[set(d.items()) for d in every])  # (extra, digest) pairs that every rank holds
+    per_rank = {name for name, digest in digests.items() if (name, digest) not in alike}
     if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
         per_rank |= {name for name in digests if name.startswith("rng.")}
     base = _base.get(root)
@@ -182,7 +182,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         dcp.load(plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except FAILURES as e:  # DCP raises every rank's failure on every rank
         raise CheckpointError(f"reading {ckpt_dir} failed: {e}.{_instead(ckpt_dir)}") from e
-    restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer"])
+    restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer"] if optimizers else {})
     _check_all(restored.error, group, f"load: restore {ckpt_dir}")
     # The next save continues from here; a step moved aside is no ancestor of the live ones: they all go aside then.
     _base[os.path.dirname(ckpt_dir)] = manifest["step"] if STEP_RE.match(os.path.basename(ckpt_dir)) else None
@@ -262,7 +262,7 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
     fqns_of_layout = collections.defaultdict(list)
     for fqn, t in model_sd.items():
         if isinstance(t, DTensor):
-            fqns_of_layout[_layout(t)].append(fqn)
+            fqns_of_layout[t.device_mesh, t.placements, t.shape].append(fqn)
     skeletons, like = {}, {}
     for name, obj in _extras(extra, rng).items():
         like[name] = {}
@@ -270,7 +270,7 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
         def leaf(key, value):  # key: extra.<name>.<path in its state>
             if not isinstance(value, DTensor):
                 return _restorable(key, value)
-            alike = fqns_of_layout.get(_layout(value))
+            alike = fqns_of_layout.get((value.device_mesh, value.placements, value.shape))
             if not alike:
                 raise CheckpointError(f"{key} is a DTensor laid out like no parameter of the model "
                                       f"({value.placements}, shape {tuple(value.shape)}): load() could not place it; "
@@ -303,9 +303,6 @@ def _restorable(path, value):
         raise CheckpointError(f"{path} is a {kind}, which load() cannot restore without running code from the "
                               "checkpoint: convert it in state_dict(), and back in load_state_dict()")
     return value
-
-def _layout(t):
-    return t.device_mesh, tuple(t.placements), tuple(t.shape)
 
 def _extras(extra, rng):  # the caller's extras and, with rng, the random generators
     for name, obj in (extra or {}).items():
@@ -363,7 +360,7 @@ def _commit(c, parts):  # steps 5-6, rank 0; parts: each rank's Outcome of _writ
         raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was committed; "
                               "the previous checkpoint is intact")
     _claim(c.root)  # still ours: a run that took it over meanwhile writes there now
-    files = {name: record for checksums, _ in parts for name, record in checksums.items()}
+    files = dict(collections.ChainMap(*[checksums for checksums, _ in parts]))  # each rank's share, merged
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
     with open(os.path.join(c.tmp, MANIFEST), "w") as f:
@@ -388,9 +385,7 @@ def _move_aside(root, base):
     up (a rollback, a fresh start). Moved aside, highest first, they keep their data, and the steps under a root
     stay one history: the highest step is the newest commit."""
     moved = []
-    for step in reversed(_steps(root)):
-        if base is not None and step <= base:
-            break
+    for step in reversed([step for step in _steps(root) if base is None or step > base]):
         moved.append(_unique(root, ABANDONED, step))
         os.rename(step_dir(root, step), moved[-1])
     if moved:
@@ -502,9 +497,6 @@ def _restore(plan, model, optimizers, saved_summary):
         dtensors = {key: values[key] for key in dtensor_keys}
         obj.load_state_dict(_walk(values[skeleton], lambda key, value: dtensors.get(key, value), f"extra.{name}"))
     model_sd = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
-    if not optimizers:
-        set_model_state_dict(model, model_sd, options=SD_OPTIONS)
-        return
     optim_sd = {k.removeprefix("optim."): v for k, v in values.items() if k.startswith("optim.")}
     set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=SD_OPTIONS)
     for param in plan.without:  # no state when saved: none now, as in the uninterrupted run
@@ -685,14 +677,15 @@ def _attempt(fn, *args):  # a local step's Outcome, for _check_all() to share
 def _check_all(error, group, what, args=None, info=None):
     """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args; else
     return every rank's info."""
+    given = [f"{name}={value!r}" for name, value in (args or {}).items()]  # compared as the error shows them
     reports = [None] * dist.get_world_size()
-    _collective(what, dist.all_gather_object, reports, (error, args or {}, info), group=group)
+    _collective(what, dist.all_gather_object, reports, (error, given, info), group=group)
     failed = [f"rank {r}: {message}" for r, (message, _, _) in enumerate(reports) if message]
     if failed:
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
-    names = [name for name in args or {} if any(other[name] != args[name] for _, other, _ in reports)]
-    ranks = [f"rank {r}: " + " ".join(f"{n}={other[n]!r}" for n in names) for r, (_, other, _) in enumerate(reports)]
-    if names:
+    alike = set.intersection(*[set(other) for _, other, _ in reports])  # what every rank was given
+    if len(alike) < len(given):
+        ranks = [f"rank {r}: " + " ".join(sorted(set(other) - alike)) for r, (_, other, _) in enumerate(reports)]
         raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
     return [rank_info for _, _, rank_info in reports]
 
