@@ -412,12 +412,10 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
     return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
 # request: what dcp.load() reads into; live: the model's and optimizers' state; names: {parameter: its names};
-# without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key, DTensor keys)}.
+# without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key)}.
 Plan = collections.namedtuple("Plan", "request live names without extras")
 
-def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
-    """Step 4: what dcp.load() reads into, checked against the checkpoint: the live model and optimizer state;
-    each extra's skeleton, and empty DTensors laid out like the parameters they were laid out like."""
+def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
     if optimizers and manifest["optimizer"] is None:
         raise CheckpointError(f"{ckpt_dir} was saved without optimizer state: load it with optimizer=None")
     model_sd = get_model_state_dict(model, options=SD_OPTIONS)
@@ -451,7 +449,7 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):
         request[skeleton] = _empty_like(saved[skeleton], None)
         for key, fqn in entry["like"].items():
             request[key] = _empty_like(saved[key], model_sd.get(fqn))
-        extras[name] = (obj, skeleton, list(entry["like"]))
+        extras[name] = (obj, skeleton)
     if unrestored and dist.get_rank() == 0:
         log.warning("not restored from %s: %s", ckpt_dir, ", ".join(unrestored))
     return Plan(request, live, names, without, extras)
@@ -489,13 +487,10 @@ def _empty_like(saved, param):
                                               device_mesh=param.device_mesh, placements=param.placements)
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
 
-def _restore(plan, model, optimizers, saved_summary):
-    """Steps 5-6, after dcp.load(): hand the values to the extras, the model and the optimizers (user code runs),
-    then check that every parameter's optimizer state has the keys and step it was saved with."""
+def _restore(plan, model, optimizers, saved_summary):  # steps 5-6, after dcp.load(); user code runs
     values = {**plan.live, **plan.request}  # with the placeholders of parameters saved without optimizer state
-    for name, (obj, skeleton, dtensor_keys) in plan.extras.items():
-        dtensors = {key: values[key] for key in dtensor_keys}
-        obj.load_state_dict(_walk(values[skeleton], lambda key, value: dtensors.get(key, value), f"extra.{name}"))
+    for name, (obj, skeleton) in plan.extras.items():  # a leaf whose key a DTensor was read under becomes that DTensor
+        obj.load_state_dict(_walk(values[skeleton], lambda key, value: values.get(key, value), f"extra.{name}"))
     model_sd = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
     optim_sd = {k.removeprefix("optim."): v for k, v in values.items() if k.startswith("optim.")}
     set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=SD_OPTIONS)
@@ -644,8 +639,7 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def load_bytes(self, read_item, value):
-        loaded = torch.load(value, weights_only=True, map_location="cpu")
-        self.original_state_dict[read_item.dest_index.fqn] = loaded
+        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True, map_location="cpu")
 
 # ---- coordination: a gloo group with a long timeout; every rank learns of any rank's failure ----
 
