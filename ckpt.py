@@ -672,6 +672,8 @@ def _check_all(error, group, what, args=None, info=None):
     """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args; else
     return every rank's info."""
     given = [f"{name}={value!r}" for name, value in (args or {}).items()]  # compared as the error shows them
+    if args:
+        given.append(f"(in {what})")  # names each rank's call where ranks called different ones (sorted first)
     reports = [None] * dist.get_world_size()
     _collective(what, dist.all_gather_object, reports, (error, given, info), group=group)
     failed = [f"rank {r}: {message}" for r, (message, _, _) in enumerate(reports) if message]

@@ -373,6 +373,7 @@ for name, bad in bad_roots.items():
     case(f"root_{name}", lambda: ckpt.check_root(bad, timeout=ckpt_timeout))
 case("different_root", lambda: save(root + ("-elsewhere" if rank == 1 else ""), 1))
 case("different_step", lambda: save(root, 1 if rank == 0 else 2))
+case("different_calls", lambda: ckpt.check_root(root, timeout=ckpt_timeout) if rank == 0 else save(root, 4))
 
 def rank0_only():
     if rank == 0:
@@ -431,11 +432,11 @@ def job_results(d, out, case):
     return res
 
 
-@pytest.mark.parametrize("case", ["different_root", "different_step", "rank0_only"])
+@pytest.mark.parametrize("case", ["different_root", "different_step", "different_calls", "rank0_only"])
 def test_misuse(api_job, case):
     """save() called on rank 0 only (accelerate #1171, #2000: the others never join and the job hangs until a
-    watchdog), or with per-rank paths or steps (OpenTau #396: shards scattered): every rank fails, in bounded
-    time, and nothing is committed."""
+    watchdog), with per-rank paths or steps (OpenTau #396: shards scattered), or while another rank is in
+    check_root(): every rank fails, in bounded time, and nothing is committed."""
     d, out, _, _ = api_job
     res = job_results(d, out, case)
     assert all(r["error"] for r in res), "every rank must fail"
@@ -446,6 +447,11 @@ def test_misuse(api_job, case):
         for r in res:
             assert "different arguments on different ranks" in r["error"]
             assert "step=1" in r["error"] and "step=2" in r["error"]
+    elif case == "different_calls":  # check_root()'s one argument is among save()'s: rank 0 must not go on alone
+        for r in res:
+            assert "different arguments on different ranks" in r["error"] and "step=4" in r["error"]
+            assert "rank 0: (in check_root())" in r["error"] and "rank 1: (in save())" in r["error"]
+            assert r["seconds"] < SHORT, "both ranks must fail at the agreement, not at the timeout"
     else:
         # Rank 1 never entered save(), so only rank 0 can say why; rank 1 fails in its next collective.
         assert "checkpoint coordination failed at 'save()' on rank 0" in res[0]["error"]
