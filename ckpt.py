@@ -385,7 +385,8 @@ def _move_aside(root, base):
     up (a rollback, a fresh start). Moved aside, highest first, they keep their data, and the steps under a root
     stay one history: the highest step is the newest commit."""
     moved = []
-    for step in reversed([step for step in _steps(root) if base is None or step > base]):
+    given_up = [s for s in _steps(root) if base is None or s > base]
+    for step in reversed(given_up):
         moved.append(_unique(root, ABANDONED, step))
         os.rename(step_dir(root, step), moved[-1])
     if moved:
