@@ -1,50 +1,56 @@
 """Correct sharded checkpointing for FSDP2 training, on Distributed Checkpoint (DCP) and public torch APIs.
 
-    ckpt.check_root("checkpoints")                       # claims the root for this run: a wrong path fails now
     extra = {"scheduler": scheduler, "data": position}   # anything with state_dict() and load_state_dict()
-    step = ckpt.load("checkpoints", model, optimizer, extra) or 0
+    step = ckpt.load("checkpoints", model, optimizer, extra) or 0   # resume: the newest commit, None if none
+    ckpt.check_root("checkpoints")                       # claims the root for this run: a wrong path fails now
     ckpt.save("checkpoints", step, model, optimizer, extra, keep=3)
     ckpt.close()                                         # before dist.destroy_process_group()
 
 save(), load(), check_root() and close() are collective: call them on every rank with the same arguments. Each
-rank writes and reads its own shards. A failure on any rank is raised on every rank as CheckpointError.
+rank writes and reads its own shards. A failure on any rank is raised on every rank as CheckpointError. Without a
+process group (a plain Python process) they work as a world of one.
 
 Save (the code carries the same numbers):
-  1. Collect model and optimizer state by parameter name (get_state_dict), and each extra's state_dict(): its
-     DTensors under keys of their own, the rest as one value. Refuse what load() could not restore.
+  1. Collect the model's state (get_model_state_dict), each optimizer's state_dict() keyed by parameter name, and
+     each extra's state_dict(): their DTensors under keys of their own, the rest as one value. Nothing runs an
+     optimizer step. Refuse what load() could not restore.
   2. Agree: no rank failed, all got the same arguments and hold the same values where DCP stores one copy (all
-     but DTensors). An extra whose state differs between ranks is stored per rank.
-  3. Prepare: rank 0 claims the root (one live run per root) and makes .tmp-step-N-<id>; every rank must see it.
+     but DTensors), else refuse naming them. An extra whose state differs between ranks is stored per rank.
+  3. Prepare: rank 0 claims the root (a lock held while the run lives; refused if another run holds it, or if
+     the root holds checkpoints this run did not load) and makes .tmp-step-N-<id>; every rank must see it.
   4. Write: dcp.save() writes and fsyncs each rank's files; each rank CRCs its share of them. With async_save,
-     the state is first copied to host memory and this step runs in a thread.
-  5. Commit (in PendingSave.wait): rank 0 writes manifest.json (each file's size and CRC), moves aside the steps
-     after the one this run continues from, and renames the directory to step-N.
+     the state is first copied to host memory and steps 4-6 run in a background thread.
+  5. Commit: rank 0 writes manifest.json (each file's size and CRC), moves aside the steps after the one this run
+     continues from, and renames the directory to step-N (an older copy of step N is replaced).
   6. Retain: rank 0 removes all but the newest `keep` steps.
 Load:
   1. Agree on the arguments.
   2. Choose: rank 0 picks the highest step-N under the root (or the directory given) and sends its manifest.
   3. Verify: each rank checks the size and CRC of its share of the files, before anything is read.
-  4. Match DCP's .metadata, unpickled without running code, to the model and optimizer: keys, shapes, dtypes.
-  5. Read: dcp.load() into the live shards, resharding if the layout changed; set_state_dict() hands optimizer
-     state to the parameters by name; each extra's load_state_dict() gets what it saved.
+  4. Match DCP's .metadata, unpickled without running code, to the model, the optimizers and the extras.
+  5. Read: dcp.load() into the live shards, resharding if the layout changed; each optimizer gets each
+     parameter's state by name (Optimizer.load_state_dict); each extra's load_state_dict() gets what it saved.
   6. Verify each parameter's optimizer state: its keys and the step it was saved with.
 
     root/
-      .owner.json                      the run that writes here: host, pid, job (removed by close())
+      .owner.json                      locked by the run that writes here; says who it is: host, pid, job
       step-00000100/                   a commit: appears by one rename, once every rank's files are on disk
-        manifest.json                  ours: step, world size, each file's size and CRC-32, the extras' layout
+        manifest.json                  ours: step, world size, each file's size and CRC-32, what each object holds
         .metadata                      DCP: where each key is stored (a pickle)
         __0_0.distcp  __1_0.distcp     DCP: each rank's shards, and the values stored once
       .tmp-step-00000200-1a2b3c4d/     a save in progress, or interrupted: never loaded
       .abandoned-step-00000150-9f8e/   a step given up by a rollback: kept, loaded only if named
-Keys: model.<fqn>, optim.state.<fqn>.<name>, optim.param_groups.<fqn>.<option>; extra.<name>, an extra's state but
-its DTensors (rank.<r>.extra.<name> where it differs between ranks); extra.<name>.<path>, a DTensor in it.
-The random generators are the extras rng.torch, rng.cuda and rng.python.
+Keys: model.<fqn>; optim.<i>, optimizer i's state_dict() keyed by parameter name, its DTensors under
+optim.<i>.state.<fqn>.<name>; extra.<name>, an extra's state but its DTensors (rank.<r>.extra.<name> where it
+differs between ranks), and extra.<name>.<path>, a DTensor in it. The random generators are the extras rng.torch,
+rng.cuda and rng.python.
 """
 
 import collections
 import concurrent.futures
 import datetime
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -62,17 +68,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("ckpt")
-FORMAT = 3  # of manifest.json and of the keys
+FORMAT = 4  # of manifest.json and of the keys
 DEFAULT_TIMEOUT = datetime.timedelta(hours=1)  # of checkpoint collectives; training keeps its own, shorter one
 MANIFEST, OWNER, TMP, ABANDONED = "manifest.json", ".owner.json", ".tmp-", ".abandoned-"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
-SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer state keyed by name: "state.<fqn>.*"
 FAILURES = (Exception, dcp.CheckpointException)  # DCP raises any rank's failure as a BaseException
 # What torch.load(weights_only=True) restores, inside dicts, lists and tuples: no code from a checkpoint runs.
 PLAIN = (torch.Tensor, type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -83,7 +86,7 @@ class CheckpointError(RuntimeError):
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
 Generator = collections.namedtuple("Generator", "state_dict load_state_dict")  # a random generator, as an extra
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
-_claims = {}  # root -> the id of this run's claim on it (rank 0)
+_locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0)
 _base = {}  # root -> the step this run continues from there (loaded or last committed)
 _in_flight = []  # the async save being written, at most one
 _stagers = []  # the async saves' host buffers, kept until close()
@@ -94,48 +97,44 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
 
     optimizer: one, a list, or None (the model alone). extra: {name: object with state_dict() and
     load_state_dict()}. keep: how many steps to keep (None: all). meta: JSON stored in the manifest.
-    Saving the step this run loaded or last committed does nothing (logged); an older step is refused.
+    A step this run committed or loaded is replaced by the state given now; an older one is refused.
     """
     wait_pending()  # one save in flight at a time: two would race for the root
-    group, rank, world = checkpoint_group(timeout), dist.get_rank(), dist.get_world_size()
+    group, world = checkpoint_group(timeout), _world_size()
     root, optimizers = os.path.realpath(root), _as_list(optimizer)
     # 1. Collect (user code runs here: the extras' state_dict()).
     state, collect_error = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta)
-    # 2. Agree. DCP stores one copy of a value that is not a DTensor, so every rank must hold the same; an extra
-    # whose state differs between ranks is stored per rank instead.
-    once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
+    # 2. Agree. DCP stores one copy of each value that is not a DTensor: every rank must hold the same one.
+    stored_once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
+    extra_digests = {name: _digest({name: skeleton}) for name, skeleton in state.extras.items()} if state else {}
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
-            "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
-            "buffers, optimizer steps and options (stored once: synchronize them)": _digest(once)}
-    digests = {name: _digest(skeleton) for name, skeleton in state.skeletons.items()} if state else {}
-    every = _check_all(collect_error, group, "save()", args, digests)
-    alike = set.intersection(*[set(d.items()) for d in every])  # (extra, digest) pairs that every rank holds
-    per_rank = {name for name, digest in digests.items() if (name, digest) not in alike}
+            "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {})}
+    reports = _check_all(collect_error, group, "save()", args, info=(_digest(stored_once), extra_digests))
+    if len({stored_once_digest for stored_once_digest, _ in reports}) > 1:
+        _refuse_differences(group, stored_once)
+    per_rank = {name for name, digest in extra_digests.items() if any(d.get(name) != digest for _, d in reports)}
     if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
-        per_rank |= {name for name in digests if name.startswith("rng.")}
+        per_rank |= {name for name in extra_digests if name.startswith("rng.")}
     base = _base.get(root)
     if base is not None and step < base:
         raise CheckpointError(f"save(): step {step} is before step {base}, which this run loaded or committed in "
                               f"{root}: to go back, load that step first (a rollback)")
-    if step == base:
-        log.info("step %d is what this run loaded or last committed in %s: nothing to save", step, root)
-        return PendingSave(path=step_dir(root, step)) if async_save else step_dir(root, step)
-    for name, skeleton in state.skeletons.items():
-        state.flat[f"rank.{rank}.extra.{name}" if name in per_rank else f"extra.{name}"] = skeleton
+    for name, skeleton in state.extras.items():
+        state.flat[f"rank.{_rank()}.extra.{name}" if name in per_rank else f"extra.{name}"] = skeleton
 
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
     tmp = _rank0(group, f"save: prepare step {step} in {root}", _prepare, root, step)
     _check_shared(group, tmp)
-    extras = {name: {"per_rank": name in per_rank, "like": like} for name, like in state.like.items()}
+    objects = {key: {"per_rank": key.removeprefix("extra.") in per_rank, "like": like}
+               for key, like in state.like.items()}
     manifest = {"format": FORMAT, "step": step, "world_size": world, "torch_version": torch.__version__,
-                "meta": meta or {}, "extra": extras, "optimizer": state.optimizer if optimizers else None}
-    pending = PendingSave(Commit(root, step, tmp, manifest, group, keep, base))
+                "meta": meta or {}, "objects": objects, "optimizers": args["optimizers"],
+                "optimizer_state": state.optimizer_state}
+    commit = Commit(root, step, tmp, manifest, group, keep, base)
 
-    # 4. Write; 5-6 in wait(). A synchronous save takes the same path as an async one.
-    pending.job = concurrent.futures.Future()
+    # 4. Write, 5. commit, 6. retain: here, or in a thread once the state is copied.
     if not async_save:
-        pending.job.set_result(_attempt(_write, state.flat, tmp, group))
-        return pending.wait()
+        return _write_and_commit(state.flat, commit)
     if not _stagers:  # kept until close(): from the second async save on, it copies into memory already allocated
         options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                  use_async_staging=False, use_non_blocking_copy=False)  # a plain, finished copy
@@ -143,9 +142,9 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     # Copied before anything collective starts: a rank that cannot (out of host memory) fails every rank here.
     staged = _attempt(_stagers[0].stage, state.flat)
     _check_all(staged.error, group, "save: copy the state to host memory")
-    # From here training may change the parameters: the thread writes the copy, and ends with it.
+    # From here training may change the parameters: the thread writes the copy, and commits it by itself.
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
-    pending.job = pool.submit(_attempt, _write, staged.value, tmp, group)
+    pending = PendingSave(pool.submit(_write_and_commit, staged.value, commit))
     pool.shutdown(wait=False)  # not "with": leaving it would wait for the write
     _in_flight.append(pending)
     return pending
@@ -157,7 +156,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     Loading claims nothing: an evaluation job can read a root while training writes it. Loading an older step is
     a rollback: the next save() continues from it.
     """
-    wait_pending()  # a background write uses the same group
+    wait_pending()  # a background save uses the same group
     group, path, optimizers = checkpoint_group(timeout), os.path.realpath(path), _as_list(optimizer)
     # 1. Agree on the arguments first: a rank in save() and another in load() meet here, not in a hang.
     args = {"path": path, "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
@@ -176,22 +175,24 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     # 4. Match the checkpoint to the model, the optimizers and the extras.
     plan = _attempt(_plan, ckpt_dir, manifest, metadata.value.state_dict_metadata, model, optimizers, extra, rng)
     _check_all(plan.error, group, f"load: match {ckpt_dir} to the model")
-    # 5. Read into the live shards and the extras' empty tensors, then hand everything over.
+    # 5. Read into the live shards and the objects' empty tensors, then hand everything over.
     try:
         reader = SafeReader(ckpt_dir, metadata.value)
         dcp.load(plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except FAILURES as e:  # DCP raises every rank's failure on every rank
-        raise CheckpointError(f"reading {ckpt_dir} failed: {e}.{_instead(ckpt_dir)}") from e
-    restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer"] if optimizers else {})
+        cause = f": {_describe(e)}" if os.path.isdir(ckpt_dir) else ""  # a vanished step: _instead() says so
+        raise CheckpointError(f"reading {ckpt_dir} failed{cause}.{_instead(ckpt_dir)}") from e
+    restored = _attempt(_restore, plan.value, model, manifest["optimizer_state"])
     _check_all(restored.error, group, f"load: restore {ckpt_dir}")
-    # The next save continues from here; a step moved aside is no ancestor of the live ones: they all go aside then.
-    _base[os.path.dirname(ckpt_dir)] = manifest["step"] if STEP_RE.match(os.path.basename(ckpt_dir)) else None
+    # The next save continues from here. A step moved aside is no ancestor of the live ones: they all go aside.
+    _base[os.path.dirname(ckpt_dir)] = manifest["step"] if STEP_RE.match(os.path.basename(ckpt_dir)) else -1
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
     return manifest["step"]
 
 def check_root(root, timeout=DEFAULT_TIMEOUT):
-    """Claim root for this run and fail now, on every rank, if it cannot hold checkpoints: otherwise a wrong root,
-    one another live run writes to, or a node-local one, surfaces at the first save, losing the training so far."""
+    """Claim root for this run, after load(), and fail now, on every rank, if it cannot hold this run's
+    checkpoints: a wrong or node-local path, a root another live run writes to, or one holding checkpoints this
+    run did not load (a forgotten resume). Otherwise that surfaces at the first save, losing the training so far."""
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
     _check_all(None, group, "check_root()", {"root": root})
@@ -199,7 +200,7 @@ def check_root(root, timeout=DEFAULT_TIMEOUT):
     _check_shared(group, os.path.join(root, OWNER))
 
 def close():
-    """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): commit a save in flight,
+    """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): wait for a save in flight,
     release the root, free the async host buffers, and destroy ckpt's process groups (not to outlive the default)."""
     try:
         wait_pending()
@@ -208,81 +209,76 @@ def close():
             dist.destroy_process_group(group)
         for stager in _stagers:
             stager.close()
-        for root, run in _claims.items():
-            if (_read_owner(os.path.join(root, OWNER)) or {}).get("run") == run:
-                os.remove(os.path.join(root, OWNER))
-        for registry in (_groups, _stagers, _claims, _base):  # the next run in this process starts afresh
+        for owner in _locks.values():
+            os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
+            os.close(owner)  # releases the lock
+        for registry in (_groups, _stagers, _locks, _base):  # the next run in this process starts afresh
             registry.clear()
 
-# What wait() needs to commit a save; base: the step this run continues from (see _move_aside).
-Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base")
-
 class PendingSave:
-    """A save being written. done() says whether this rank's write is over (no collective: ranks may differ, so
-    agree on it, e.g. in an all-reduce, before calling wait()); wait() commits, on every rank."""
-    def __init__(self, commit=None, path=None):
-        self.commit, self.path, self.job = commit, path, None  # job: a Future of this rank's Outcome of _write()
+    """An async save, written and committed by a background thread on every rank. done(): it is over on this rank
+    (committed, or failed); wait(): its path once committed, or its error. The next save, load or close waits."""
+    def __init__(self, job):
+        self.job = job  # a Future of _write_and_commit()
 
     def done(self):
-        return self.path is not None or self.job.done()
+        return self.job.done()
 
     def wait(self):
-        if self.path is None:
-            c, written = self.commit, self.job.result()
-            if self in _in_flight:  # only now is the write over: a wait() interrupted above leaves it in flight
-                _in_flight.remove(self)
-            # 5. Rank 0 commits with every rank's checksums (or error); no rank returns before it has.
-            parts = _check_all(None, c.group, f"save of step {c.step}", info=tuple(written))
-            self.path = _rank0(c.group, f"save of step {c.step}", _commit, c, parts)
-            _base[c.root] = c.step
-            log.info("checkpoint %s committed", self.path)
-        return self.path
+        concurrent.futures.wait([self.job])  # a Ctrl-C here leaves it in flight, for the next call to wait for
+        if self in _in_flight:
+            _in_flight.remove(self)
+        return self.job.result()
 
-def wait_pending():  # commit the save in flight, if any (on every rank)
+def wait_pending():  # the save in flight, if any, must be over before the group is used again
     while _in_flight:
         _in_flight[0].wait()
 
 # ---- save, step by step ----
 
-# flat: {DCP key: value}; skeletons: {extra: its state but its DTensors}; like: {extra: {key of a DTensor: the
-# parameter it is laid out like}}; optimizer: see _optimizer_summary().
-Collected = collections.namedtuple("Collected", "flat skeletons like optimizer")
+# flat: {DCP key: value}; extras: {extra: its state but its DTensors}; like: {object's key: {key of a DTensor in
+# it: the parameter it is laid out like}}; optimizer_state: see _optimizer_summary().
+Collected = collections.namedtuple("Collected", "flat extras like optimizer_state")
 
 def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
     if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
-    model_sd = get_model_state_dict(model, options=SD_OPTIONS)
-    summary = _optimizer_summary(optimizers, _param_names(model, model_sd))  # before torch's flattening refuses
-    optim_sd = get_optimizer_state_dict(model, optimizers, options=SD_OPTIONS) if optimizers else {}
+    model_sd = get_model_state_dict(model)
+    names = _param_names(model, model_sd)
     flat = {f"model.{k}": v for k, v in model_sd.items()}
-    flat.update({f"optim.{k}": _walk(v, _restorable, f"optim.{k}") for k, v in optim_sd.items()})
-    # A DTensor in an extra (an EMA, another optimizer's moments) is restored laid out like a parameter it is laid
+    # A DTensor in an object's state (optimizer moments, an EMA) is restored laid out like a parameter it is laid
     # out like now, on the mesh of the day: it reshards as that parameter does.
-    fqns_of_layout = collections.defaultdict(list)
+    fqns_of_layout = collections.defaultdict(set)
     for fqn, t in model_sd.items():
         if isinstance(t, DTensor):
-            fqns_of_layout[t.device_mesh, t.placements, t.shape].append(fqn)
+            fqns_of_layout[t.device_mesh, t.placements, t.shape].add(fqn)
+    objects = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
+    objects.update({f"extra.{name}": obj for name, obj in _extras(extra, rng).items()})
     skeletons, like = {}, {}
-    for name, obj in _extras(extra, rng).items():
-        like[name] = {}
+    for key, obj in objects.items():
+        like[key] = {}
 
-        def leaf(key, value):  # key: extra.<name>.<path in its state>
+        def leaf(path, value):  # path: <key>.<path in its state>
             if not isinstance(value, DTensor):
-                return _restorable(key, value)
+                return _restorable(path, value)
             alike = fqns_of_layout.get((value.device_mesh, value.placements, value.shape))
             if not alike:
-                raise CheckpointError(f"{key} is a DTensor laid out like no parameter of the model "
+                raise CheckpointError(f"{path} is a DTensor laid out like no parameter of the model "
                                       f"({value.placements}, shape {tuple(value.shape)}): load() could not place it; "
                                       "store its full_tensor()")
-            flat[key] = value  # under a key of its own, so that DCP saves each rank's shard
-            # Like the parameter whose name the key holds (an EMA's shadow.<fqn>), if any: it follows that one.
-            named = [fqn for fqn in alike if f".{fqn}." in f"{key}."]
-            like[name][key] = max(named, key=len) if named else alike[0]
+            flat[path] = value  # under a key of its own, so that DCP saves each rank's shard
+            # Like the parameter whose name the path holds (exp_avg of <fqn>, an EMA's shadow.<fqn>), if any.
+            parts = path.split(".")
+            named = [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
+            named = [name for name in named if name in alike]
+            like[key][path] = max(named, key=len) if named else min(alike)
             return None  # its place in the skeleton
 
-        skeletons[name] = _walk(obj.state_dict(), leaf, f"extra.{name}")
-    return Collected(flat, skeletons, like, summary)
+        skeletons[key] = _walk(obj.state_dict(), leaf, key)
+    flat.update({key: skeleton for key, skeleton in skeletons.items() if key.startswith("optim.")})
+    extras = {key.removeprefix("extra."): s for key, s in skeletons.items() if key.startswith("extra.")}
+    return Collected(flat, extras, like, _optimizer_summary(optimizers, names))
 
 def _walk(value, leaf, path=""):
     """value rebuilt with leaf(path, x) in place of each leaf x of its dicts, lists and tuples; a dict key that
@@ -317,17 +313,68 @@ def _extras(extra, rng):  # the caller's extras and, with rng, the random genera
         generators["rng.cuda"] = Generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
     return {**(extra or {}), **(generators if rng else {})}
 
-def _digest(value):
-    """A digest of a value: of its tensors, their bytes (pickles of equal tensors differ between processes)."""
-    h = hashlib.sha256()
+class OptimizerByName:
+    """An optimizer's state_dict() and load_state_dict() keyed by parameter name, not by position: each parameter
+    gets its own state back, whatever the layout or the order of the parameters. Optimizer.state_dict() runs no
+    step, so a save before the first one leaves the optimizer as it was (get_optimizer_state_dict would step it)."""
+    def __init__(self, optimizer, names):  # names: {parameter: its names in the model's state dict}
+        self.optimizer = optimizer
+        self.fqns = [names[p][0] for group in optimizer.param_groups for p in group["params"]]  # by index
+
+    def state_dict(self):
+        sd = self.optimizer.state_dict()
+        groups = [dict(group, params=[self.fqns[i] for i in group["params"]]) for group in sd["param_groups"]]
+        return {"state": {self.fqns[i]: state for i, state in sd["state"].items()}, "param_groups": groups}
+
+    def load_state_dict(self, sd):
+        groups = self.optimizer.state_dict()["param_groups"]  # params: the indices the state is keyed by now
+        kind = type(self.optimizer).__name__
+        if len(sd["param_groups"]) != len(groups):
+            raise CheckpointError(f"{kind} has {len(groups)} param groups, the checkpoint {len(sd['param_groups'])}: "
+                                  "build it as it was when saved")
+        for i, (saved, live) in enumerate(zip(sd["param_groups"], groups)):
+            params = [self.fqns[index] for index in live["params"]]
+            if saved["params"] != params:
+                raise CheckpointError(f"{kind}'s param group {i} holds {params[:3]}... ({len(params)}), the "
+                                      f"checkpoint's {saved['params'][:3]}... ({len(saved['params'])}): build it as "
+                                      "when saved")
+            if set(saved) - set(live):  # an option this optimizer lacks: it was built otherwise
+                raise CheckpointError(f"{kind}'s param group {i} has no {sorted(set(saved) - set(live))}, which the "
+                                      f"checkpoint's has{_hint(set(saved) - set(live))}")
+        index = {fqn: i for i, fqn in enumerate(self.fqns)}
+        self.optimizer.load_state_dict({"state": {index[fqn]: state for fqn, state in sd["state"].items()},
+                                        "param_groups": [dict(saved, params=live["params"])
+                                                         for saved, live in zip(sd["param_groups"], groups)]})
+
+def _hint(option_names):  # why param groups' options differ
+    if "initial_lr" in option_names:
+        return " (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before load(), as at save())"
+    return ""
+
+def _fingerprints(values):
+    """{key or path of each leaf of values (a dict): a digest of it}; of a tensor, of its bytes (pickles of equal
+    tensors differ between processes)."""
+    found = {}
 
     def leaf(path, x):
         if isinstance(x, torch.Tensor):
             x = (x.dtype, x.shape, x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        h.update(path.encode() + pickle.dumps(x))
+        found[path] = hashlib.sha256(pickle.dumps(x)).hexdigest()[:16]
 
-    _walk(value, leaf)
-    return h.hexdigest()[:16]
+    for key, value in values.items():
+        _walk(value, leaf, key)
+    return found
+
+def _digest(values):
+    return hashlib.sha256(json.dumps(sorted(_fingerprints(values).items())).encode()).hexdigest()[:16]
+
+def _refuse_differences(group, stored_once):
+    """On every rank: the values DCP stores one copy of differ between ranks. A second round finds which."""
+    reports = _check_all(None, group, "save: compare the values stored once", info=_fingerprints(stored_once))
+    differ = sorted(path for path in set().union(*reports) if len({r.get(path) for r in reports}) > 1)
+    raise CheckpointError(f"save(): {len(differ)} value(s) differ between ranks, and DCP stores one copy of each: "
+                          f"{', '.join(differ[:10])}. Make them equal on every rank (a buffer: "
+                          "broadcast it or compute it from all-reduced values; optimizer state: load or step alike)")
 
 def _prepare(root, step):  # step 3, rank 0
     _claim(root)
@@ -342,25 +389,35 @@ def _check_shared(group, path):
     unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage shared by every rank"
     _check_all(unseen, group, "shared storage check")
 
+# What steps 4-6 need; base: the step this run continues from (see _move_aside).
+Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base")
+
+def _write_and_commit(state, c):  # steps 4-6 on every rank; in a background thread for an async save
+    written = _attempt(_write, state, c.tmp, c.group)
+    try:
+        checksums = _check_all(written.error, c.group, f"save of step {c.step} (nothing committed)", info=written.value)
+    except CheckpointError:
+        if _rank() == 0:
+            shutil.rmtree(c.tmp, ignore_errors=True)  # frees the space (a full disk, say); the last commit stands
+        raise
+    path = _rank0(c.group, f"save of step {c.step}: commit", _commit, c, checksums)
+    _base[c.root] = c.step
+    log.info("checkpoint %s committed", path)
+    return path
+
 def _write(state, tmp, group):
     """Step 4: DCP writes this rank's files. When it returns, every rank's files and .metadata are written, and
     this rank CRCs its share of them, from the page cache, rather than inside DCP's stream."""
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
-    # Our keys are flat already, and an extra's skeleton is one value: DCP must not rebuild it (flattening would
+    # Our keys are flat already, and an object's skeleton is one value: DCP must not rebuild it (flattening would
     # turn its keys into str and drop its empty dicts). load() asks for these keys.
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
     paths = {name: os.path.join(tmp, name) for name in _share(os.listdir(tmp))}
     return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
 
-def _commit(c, parts):  # steps 5-6, rank 0; parts: each rank's Outcome of _write()
-    failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(parts) if error]
-    if failed:
-        shutil.rmtree(c.tmp, ignore_errors=True)  # frees the space, on a full disk say
-        raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was committed; "
-                              "the previous checkpoint is intact")
-    _claim(c.root)  # still ours: a run that took it over meanwhile writes there now
-    files = dict(collections.ChainMap(*[checksums for checksums, _ in parts]))  # each rank's share, merged
+def _commit(c, checksums):  # steps 5-6, rank 0; checksums: each rank's {file: its size and CRC}
+    files = dict(collections.ChainMap(*checksums))  # each rank's share, merged
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
     with open(os.path.join(c.tmp, MANIFEST), "w") as f:
@@ -368,9 +425,11 @@ def _commit(c, parts):  # steps 5-6, rank 0; parts: each rank's Outcome of _writ
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename points at it
     fsync_dir(c.tmp)  # and the directory's entries
-    _move_aside(c.root, c.base)
+    replaced = _move_aside(c.root, c.base, c.step)
     os.rename(c.tmp, step_dir(c.root, c.step))  # atomic: the checkpoint appears whole or not at all
     fsync_dir(c.root)  # without this, a power cut can undo the rename
+    if replaced:  # the older copy of this step: kept aside until the new one was committed
+        shutil.rmtree(replaced, ignore_errors=True)
     for step in _steps(c.root)[: -c.keep] if c.keep else []:  # 6. A failure is logged: the commit stands.
         trash = _unique(c.root, f"{TMP}delete-", step)
         try:  # out of load()'s sight first: a crash mid-delete leaves a .tmp- directory, never half a checkpoint
@@ -380,19 +439,20 @@ def _commit(c, parts):  # steps 5-6, rank 0; parts: each rank's Outcome of _writ
             log.warning("retention: could not remove %s: %s", step_dir(c.root, step), e)
     return step_dir(c.root, c.step)
 
-def _move_aside(root, base):
-    """Steps after the one this run continues from (all, for a run that loaded none here) belong to a branch given
-    up (a rollback, a fresh start). Moved aside, highest first, they keep their data, and the steps under a root
-    stay one history: the highest step is the newest commit."""
-    moved = []
-    given_up = [s for s in _steps(root) if base is None or s > base]
-    for step in reversed(given_up):
-        moved.append(_unique(root, ABANDONED, step))
-        os.rename(step_dir(root, step), moved[-1])
+def _move_aside(root, base, step):
+    """Steps after the one this run continues from belong to a branch given up (a rollback). Moved aside, highest
+    first, they keep their data, and the steps under a root stay one history: the highest step is the newest
+    commit. The step being saved again is moved aside too; returns where (the commit then removes it)."""
+    given_up = [s for s in _steps(root) if s > base or s == step] if base is not None else []
+    moved = {s: _unique(root, ABANDONED, s) for s in reversed(given_up)}
+    for s, aside in moved.items():
+        os.rename(step_dir(root, s), aside)
     if moved:
         fsync_dir(root)  # or a power cut brings a given-up step back as the newest
-        log.warning("moved aside %s: this run continues from %s (delete them when no longer needed)",
-                    ", ".join(moved), f"step {base}" if base is not None else "no checkpoint of this root")
+    if moved.keys() - {step}:
+        log.warning("moved aside %s: not on the branch this run continues from (delete them when no longer needed)",
+                    ", ".join(aside for s, aside in moved.items() if s != step))
+    return moved.get(step) if step == base else None
 
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
@@ -401,8 +461,13 @@ def _unique(root, prefix, step):
 
 def _choose(path):  # step 2, rank 0
     found = find_checkpoint(path)
+    if found is None:  # a fresh root, or one whose only save was interrupted: say which
+        interrupted = [n for n in (os.listdir(path) if os.path.isdir(path) else []) if n.startswith(TMP)]
+        if interrupted:
+            log.warning("no checkpoint in %s: %s is an interrupted save (never loaded)", path, ", ".join(interrupted))
+        return None, None
     try:
-        return (found, read_manifest(found)) if found else (None, None)
+        return found, read_manifest(found)
     except CheckpointError as e:
         raise CheckpointError(f"refusing to load a damaged checkpoint: {e}.{_instead(found)}") from None
 
@@ -412,75 +477,65 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
     gone = "" if os.path.isdir(ckpt_dir) else f" {ckpt_dir} does not exist (removed by another run's retention?)."
     return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
-# request: what dcp.load() reads into; live: the model's and optimizers' state; names: {parameter: its names};
-# without: parameters saved without optimizer state; extras: {name: (object, its skeleton's key)}.
-Plan = collections.namedtuple("Plan", "request live names without extras")
+# request: what dcp.load() reads into; model_sd: the model's live state; names: {parameter: its names};
+# objects: {key: (object, the key its skeleton was read under)}.
+Plan = collections.namedtuple("Plan", "request model_sd names objects")
 
 def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
-    if optimizers and manifest["optimizer"] is None:
-        raise CheckpointError(f"{ckpt_dir} was saved without optimizer state: load it with optimizer=None")
-    model_sd = get_model_state_dict(model, options=SD_OPTIONS)
-    optim_sd = get_optimizer_state_dict(model, optimizers, options=SD_OPTIONS) if optimizers else {}
-    live = {**{f"model.{k}": v for k, v in model_sd.items()}, **{f"optim.{k}": v for k, v in optim_sd.items()}}
+    saved_types, types = manifest["optimizers"], [type(o).__name__ for o in optimizers]
+    if optimizers and saved_types != types:
+        raise CheckpointError(f"{ckpt_dir} was saved with optimizers {saved_types}, load() was given {types}"
+                              + (": to load the weights alone, pass optimizer=None" if saved_types else ""))
+    model_sd = get_model_state_dict(model)
+    request = {f"model.{k}": v for k, v in model_sd.items()}
+    _match(ckpt_dir, saved, request)
     names = _param_names(model, model_sd)
-    # A parameter saved without optimizer state (never stepped, frozen) keeps none: the placeholders torch made
-    # for it are not read, and _restore() drops them.
-    without = [p for p, fqns in names.items() if optimizers and fqns[0] not in manifest["optimizer"]]
-    skipped = tuple(f"optim.state.{names[p][0]}." for p in without)
-    request = {k: v for k, v in live.items() if not k.startswith(skipped)}
-    _match(ckpt_dir, saved, request, live, optimizers)
-    extras, resized = {}, manifest["world_size"] != dist.get_world_size()
-    wanted = _extras(extra, rng)
-    unrestored = [f"{name} (not passed to load())" for name in sorted(set(manifest["extra"]) - set(wanted))
-                  if rng or not name.startswith("rng.")]
-    for name, obj in wanted.items():
-        entry = manifest["extra"].get(name)
-        if entry is None and name.startswith("rng."):
+    wanted = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
+    wanted.update({f"extra.{name}": obj for name, obj in _extras(extra, rng).items()})
+    objects, resized = {}, manifest["world_size"] != _world_size()
+    unrestored = [f"{key} (not passed to load())" for key in sorted(set(manifest["objects"]) - set(wanted))
+                  if key.startswith("extra.") and (rng or not key.startswith("extra.rng."))]
+    for key, obj in wanted.items():
+        entry = manifest["objects"].get(key)
+        if entry is None and key.startswith("extra.rng."):
             continue  # a generator saved with rng=False, or without CUDA
         if entry is None:
-            raise CheckpointError(f"extra {name!r} is not in {ckpt_dir}, which holds {sorted(manifest['extra'])}")
-        if entry["per_rank"] and resized and name.startswith("rng."):  # N streams do not map onto M ranks
-            unrestored.append(f"{name} (per rank at another world size: left as this process has it)")
+            raise CheckpointError(f"{key} is not in {ckpt_dir}, which holds {sorted(manifest['objects'])}")
+        if entry["per_rank"] and resized and key.startswith("extra.rng."):  # N streams do not map onto M ranks
+            unrestored.append(f"{key} (per rank at another world size: left as this process has it)")
             continue
         if entry["per_rank"] and resized:
-            raise CheckpointError(f"extra {name!r} differed between ranks when saved at world size "
-                                  f"{manifest['world_size']}, so it cannot go to {dist.get_world_size()} ranks: "
-                                  "resume at that size, or make its state_dict() the same on every rank")
-        skeleton = f"rank.{dist.get_rank()}.extra.{name}" if entry["per_rank"] else f"extra.{name}"
+            raise CheckpointError(f"{key} differed between ranks when saved at world size {manifest['world_size']}, "
+                                  f"so it cannot go to {_world_size()} ranks: resume at that size, or make its "
+                                  "state_dict() the same on every rank")
+        skeleton = f"rank.{_rank()}.{key}" if entry["per_rank"] else key
         request[skeleton] = _empty_like(saved[skeleton], None)
-        for key, fqn in entry["like"].items():
-            request[key] = _empty_like(saved[key], model_sd.get(fqn))
-        extras[name] = (obj, skeleton)
-    if unrestored and dist.get_rank() == 0:
+        for dtensor_key, fqn in entry["like"].items():
+            request[dtensor_key] = _empty_like(saved[dtensor_key], model_sd.get(fqn))
+        objects[key] = (obj, skeleton)
+    if unrestored and optimizers and _rank() == 0:  # a resume that leaves state behind (not a weights-only load)
         log.warning("not restored from %s: %s", ckpt_dir, ", ".join(unrestored))
-    return Plan(request, live, names, without, extras)
+    return Plan(request, model_sd, names, objects)
 
-def _match(ckpt_dir, saved, request, live, optimizers):
-    """Refuse, naming the keys, a checkpoint whose model or optimizer keys, shapes or dtypes are not the live ones."""
-    ours = [k for k in saved if k.startswith("model.") or (optimizers and k.startswith("optim."))]
+def _match(ckpt_dir, saved, request):
+    """Refuse, naming the keys, a checkpoint whose model keys, shapes or dtypes are not the live ones."""
     missing = [k for k in request if k not in saved]
-    unexpected = [k for k in ours if k not in live]
+    unexpected = [k for k in saved if k.startswith("model.") and k not in request]
     differ = []
     for key, value in request.items():
         was = saved.get(key)
-        if isinstance(value, torch.Tensor) and hasattr(was, "size"):
-            if (was.properties.dtype, tuple(was.size)) != (value.dtype, tuple(value.shape)):
-                differ.append(f"{key}: {was.properties.dtype} {tuple(was.size)} saved, {value.dtype} "
-                              f"{tuple(value.shape)} here")
-    found = {"missing from the checkpoint": missing, "not in the model or optimizer": unexpected,
+        if hasattr(was, "size") and (was.properties.dtype, tuple(was.size)) != (value.dtype, tuple(value.shape)):
+            differ.append(f"{key}: {was.properties.dtype} {tuple(was.size)} saved, {value.dtype} "
+                          f"{tuple(value.shape)} here")
+    found = {"missing from the checkpoint": missing, "not in the model": unexpected,
              "of another dtype or shape": differ}
     problems = [f"{len(keys)} key(s) {what}: {keys[:10]}" for what, keys in found.items() if keys]
-    hint = ""
-    if optimizers and all(k.startswith("optim.") for k in missing + unexpected):
-        hint = " (to load the weights alone, pass optimizer=None)"
-    if any(k.endswith(".initial_lr") for k in missing + unexpected):
-        hint = " (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before load(), as at save())"
     if problems:
-        raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model/optimizer{hint}: {'; '.join(problems)}")
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model: {'; '.join(problems)}")
 
 def _empty_like(saved, param):
-    """What an extra's value is read into: None for a pickled value (SafeLoadPlanner fills it in); a DTensor laid
-    out like param today (resharded if that changed); else a plain tensor (a model that is not sharded, say)."""
+    """What a value is read into: None for a pickled value (SafeLoadPlanner fills it in); a DTensor laid out like
+    param today (resharded if that changed); else a plain tensor (a model that is not sharded, say)."""
     if not hasattr(saved, "size"):
         return None
     if isinstance(param, DTensor):
@@ -488,33 +543,24 @@ def _empty_like(saved, param):
                                               device_mesh=param.device_mesh, placements=param.placements)
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
 
-def _restore(plan, model, optimizers, saved_summary):  # steps 5-6, after dcp.load(); user code runs
-    values = {**plan.live, **plan.request}  # with the placeholders of parameters saved without optimizer state
-    for name, (obj, skeleton) in plan.extras.items():  # a leaf whose key a DTensor was read under becomes that DTensor
-        obj.load_state_dict(_walk(values[skeleton], lambda key, value: values.get(key, value), f"extra.{name}"))
-    model_sd = {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")}
-    optim_sd = {k.removeprefix("optim."): v for k, v in values.items() if k.startswith("optim.")}
-    set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=SD_OPTIONS)
-    for param in plan.without:  # no state when saved: none now, as in the uninterrupted run
-        for opt in optimizers:
-            opt.state.pop(param, None)
-    summary = _optimizer_summary(optimizers, plan.names)
-    for fqn in sorted(set(summary) | set(saved_summary)):
-        if summary.get(fqn) != saved_summary.get(fqn):
-            raise CheckpointError(f"optimizer state of {fqn} after loading: {summary.get(fqn)} ([keys, step]); "
-                                  f"saved: {saved_summary.get(fqn)}")
+def _restore(plan, model, saved_summary):  # steps 5-6, after dcp.load(); user code runs
+    values = plan.request
+    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")})
+    for key, (obj, skeleton) in plan.objects.items():  # a leaf whose key a DTensor was read under becomes it
+        obj.load_state_dict(_walk(values[skeleton], lambda path, value: values.get(path, value), key))
+    optimizers = [obj.optimizer for key, (obj, _) in plan.objects.items() if key.startswith("optim.")]
+    if optimizers:
+        summary = _optimizer_summary(optimizers, plan.names)
+        for fqn in sorted(set(summary) | set(saved_summary)):
+            if summary.get(fqn) != saved_summary.get(fqn):
+                raise CheckpointError(f"optimizer state of {fqn} after loading: {summary.get(fqn)} ([keys, step]); "
+                                      f"saved: {saved_summary.get(fqn)}")
 
 def _optimizer_summary(optimizers, names):
-    """{parameter name: [its optimizer state's keys, its step]}: saved in the manifest, checked after a load.
-    torch keys optimizer state by parameter name only if it holds tensors, numbers and dicts: the rest is refused."""
+    """{parameter name: [its optimizer state's keys, its step]}: saved in the manifest, checked after a load."""
     summary = {}
-    for i, opt in enumerate(optimizers):
+    for opt in optimizers:
         for param, state in opt.state.items():
-            for key, value in state.items():
-                if not isinstance(value, (torch.Tensor, int, float, dict)):
-                    raise CheckpointError(f"optimizer {i} ({type(opt).__name__}): state {key!r} of parameter "
-                                          f"{names[param][0]} is a {type(value).__name__}; only tensors, numbers "
-                                          "and dicts are saved by parameter name: drop or convert it before save()")
             summary[names[param][0]] = [sorted(state), float(state["step"]) if "step" in state else None]
     return summary
 
@@ -557,7 +603,7 @@ def _share(names):
     """The files this rank checks: by the number in their names modulo the world size (DCP names rank r's file
     __r_0.distcp; .metadata goes to rank 0). At the same world size a rank checks the file it wrote."""
     numbers = {name: int((re.findall(r"\d+", name) or [0])[0]) for name in names}
-    return sorted(name for name, n in numbers.items() if n % dist.get_world_size() == dist.get_rank())
+    return sorted(name for name, n in numbers.items() if n % _world_size() == _rank())
 
 def _crc32(path):  # catches corruption and truncation, not forgery (the manifest is not signed)
     crc = 0
@@ -586,8 +632,11 @@ def read_manifest(ckpt_dir):
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read ({e}): {ckpt_dir} is not a committed checkpoint") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
-        raise CheckpointError(f"{path} is not a manifest of format {FORMAT}, the one this ckpt.py reads")
+    if not isinstance(manifest, dict) or "files" not in manifest:
+        raise CheckpointError(f"{path} is not a manifest: {ckpt_dir} is not a committed checkpoint")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is of format {manifest.get('format')}; this ckpt.py reads format {FORMAT} "
+                              "(load it with the ckpt.py that saved it)")
     return manifest
 
 def fsync_dir(path):  # a rename is durable only once the directory that holds it is flushed
@@ -647,18 +696,27 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 def checkpoint_group(timeout=DEFAULT_TIMEOUT):
     """The gloo group, with its own long timeout, of every checkpoint collective. Training keeps a short timeout,
     to notice a hung rank; under it, the first save to slow storage would kill the job (or the NCCL watchdog
-    would). gloo keeps coordination off the GPU. Creating a group is collective: every rank does it here."""
+    would). gloo keeps coordination off the GPU. Creating a group is collective: every rank does it here. None
+    without a process group: a world of one, with no collectives."""
+    if not dist.is_initialized():
+        return None
     timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
     if timeout not in _groups:
         _groups[timeout] = _collective("make ckpt's process group", dist.new_group, backend="gloo", timeout=timeout)
     return _groups[timeout]
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+def _world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 def _collective(what, fn, *args, **kwargs):  # a timeout or a lost peer becomes a CheckpointError naming the phase
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
         _groups.clear()  # a gloo group that timed out is unusable: the next call makes a fresh one
-        raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {dist.get_rank()}: not every "
+        raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {_rank()}: not every "
                               "rank reached it within the checkpoint timeout (called on every rank? did a rank "
                               f"crash or hang?). Cause: {e}") from e
 
@@ -666,8 +724,13 @@ def _attempt(fn, *args):  # a local step's Outcome, for _check_all() to share
     try:
         return Outcome(fn(*args), None)
     except FAILURES as e:
-        log.debug("on rank %d", dist.get_rank(), exc_info=True)
-        return Outcome(None, f"{type(e).__name__}: {e}")
+        log.debug("on rank %d", _rank(), exc_info=True)
+        return Outcome(None, _describe(e))
+
+def _describe(e):  # in one line: DCP's exception holds every rank's failure, with its traceback
+    failures = e.failures.items() if isinstance(e, dcp.CheckpointException) else [(_rank(), (e, None))]
+    return "; ".join(f"{type(error).__name__}: {error}" + (f" (on rank {r})" if r != _rank() else "")
+                     for r, (error, _) in failures)
 
 def _check_all(error, group, what, args=None, info=None):
     """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args; else
@@ -675,8 +738,10 @@ def _check_all(error, group, what, args=None, info=None):
     given = [f"{name}={value!r}" for name, value in (args or {}).items()]  # compared as the error shows them
     if args:
         given.append(f"(in {what})")  # names each rank's call where ranks called different ones (sorted first)
-    reports = [None] * dist.get_world_size()
-    _collective(what, dist.all_gather_object, reports, (error, given, info), group=group)
+    reports = [(error, given, info)]
+    if group is not None:
+        reports = [None] * dist.get_world_size()
+        _collective(what, dist.all_gather_object, reports, (error, given, info), group=group)
     failed = [f"rank {r}: {message}" for r, (message, _, _) in enumerate(reports) if message]
     if failed:
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
@@ -688,7 +753,7 @@ def _check_all(error, group, what, args=None, info=None):
 
 def _rank0(group, what, fn, *args):
     """Rank 0 alone runs fn(*args) (it alone touches the root); every rank returns its result, or raises its error."""
-    outcome = _attempt(fn, *args) if dist.get_rank() == 0 else Outcome(None, None)
+    outcome = _attempt(fn, *args) if _rank() == 0 else Outcome(None, None)
     return _check_all(outcome.error, group, what, info=outcome.value)[0]
 
 def _as_list(optimizer):
@@ -698,59 +763,38 @@ def _as_list(optimizer):
 
 def _claim(root):
     """Rank 0: make this run the only writer of root, or raise naming the run that is. Two runs on one root delete
-    each other's checkpoints: each takes the other's save in progress for a crashed one."""
-    path = os.path.join(root, OWNER)
-    if root in _claims:
-        if (_read_owner(path) or {}).get("run") != _claims[root]:
-            raise CheckpointError(f"this run lost its claim on {root}: another run took it over and writes there")
+    each other's checkpoints: each takes the other's save in progress for a crashed one. The claim is a lock on
+    .owner.json, which the kernel (or the NFS lock manager) releases when the process that holds it is gone: no
+    run id, pid or age is guessed at. It relies on the file system's locks (NFS with locking, Lustre with -o flock)."""
+    if root in _locks:
         return
     os.makedirs(root, exist_ok=True)
-    me = {"run": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-          "started": datetime.datetime.now().isoformat(timespec="seconds"),
-          "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")}
-    owner = _read_owner(path)
-    gone = owner is not None and _why_gone(owner, me)
-    if owner is not None and not gone:
-        who = ", ".join(f"{k} {v}" for k, v in owner.items() if k != "run")
-        raise CheckpointError(f"{root} is in use by another run ({who}): stop it or use another root; if that "
-                              f"run is gone (it crashed on another host), delete {path}. (load() takes no claim.)")
-    if owner is not None:
-        log.warning("taking over %s from %s: its run is gone (%s)", root, owner, gone)
-        os.remove(path)
-    try:  # "x": create-exclusive, atomic on local file systems and NFS v3+ (flock is not reliable on NFS)
-        with open(path, "x") as f:
-            json.dump(me, f)
-    except FileExistsError:
-        raise CheckpointError(f"{root} was claimed by another run just now: {_read_owner(path)}") from None
-    _claims[root] = me["run"]
-    for name in os.listdir(root):  # left by a run that is gone; ours come after this
+    owner = os.open(os.path.join(root, OWNER), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # flock: held by this open file, not by the pid; one process of two taking it at once wins
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
+        os.close(owner)
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise CheckpointError(f"cannot lock {os.path.join(root, OWNER)} ({e}): one run per root needs a file "
+                                  "system with locks (NFS with locking, Lustre mounted with -o flock)") from e
+        raise CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
+                              "or use another root (load() takes no claim: an evaluation job can read it).") from None
+    previous = os.read(owner, 4096).decode(errors="replace")
+    steps = _steps(root)
+    if steps and root not in _base:  # a run that loaded nothing would start over, moving every step aside
+        os.close(owner)
+        raise CheckpointError(f"{root} holds checkpoints up to {step_dir(root, steps[-1])}, and this run loaded none "
+                              "of them: to resume, load() the root before check_root() and save(); to start over, "
+                              "use another root (or move its step-* directories away)")
+    if previous:
+        log.warning("taking over %s from %s: nothing holds its lock, so that run is gone", root, previous)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(owner, 0)
+    os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the run it refuses
+    _locks[root] = owner
+    for name in os.listdir(root):  # left by a run that is gone: no other run writes here
         if name.startswith(TMP):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             log.warning("removed %s, left by an interrupted save", os.path.join(root, name))
-
-def _read_owner(path):  # the claim's record: None if there is none, {} if its run died writing it
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        return {}
-
-def _why_gone(owner, me):
-    """Why the run that made a claim is gone, or None: it may live (on another host, say: no heartbeat judges)."""
-    if not owner:
-        return "it is half-written"  # its run died writing it
-    if owner.get("job") is not None and owner.get("job") == me["job"]:
-        return "this job, requeued"  # by SLURM, or restarted by torchrun
-    if owner.get("host") != me["host"] or not isinstance(owner.get("pid"), int):
-        return None
-    if owner["pid"] == me["pid"]:
-        return "its process is gone"  # our very pid: an earlier life of it, in a restarted container
-    try:
-        os.kill(owner["pid"], 0)  # signal 0: is there such a process?
-    except ProcessLookupError:
-        return "its process is gone"
-    except OSError:  # EPERM: another user's process
-        pass
-    return None

@@ -256,7 +256,6 @@ def train(args, device, rank, world):
             corpus = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
         if len(corpus) <= args.seq_len + 1 or args.vocab_size < 256:
             raise SystemExit(f"--data needs more than {args.seq_len + 1} bytes and --vocab-size >= 256")
-    ckpt.check_root(args.ckpt_dir, timeout=args.ckpt_timeout)  # a bad --ckpt-dir fails now, not at the first save
     model = build_model(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
@@ -268,6 +267,9 @@ def train(args, device, rank, world):
             raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
         say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: "
             "starting from step 0")
+    # Claims the root, after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this run
+    # did not load (a forgotten --resume) fail now, not at the first save.
+    ckpt.check_root(args.ckpt_dir, timeout=args.ckpt_timeout)
     if state.step == 0 and args.init_from:
         init_from(model, args.init_from, rank)
         say(f"initialized weights from {args.init_from}")
@@ -278,7 +280,6 @@ def train(args, device, rank, world):
 
     sigterm = {"received": 0.0}  # SIGTERM (preemption) only sets it; the step's all-reduce makes every rank see it
     signal.signal(signal.SIGTERM, lambda *_: sigterm.update(received=1.0))
-    pending, pending_t0 = None, None  # an --async-save checkpoint being written, and when its save began
     done = state.step >= args.steps
     while not done:
         t0 = time.time()
@@ -292,9 +293,7 @@ def train(args, device, rank, world):
         opt.zero_grad(set_to_none=True)
         state.step += 1
         state.samples += args.batch_size
-        # One all-reduce: the loss, the preemption flag, and how many ranks finished writing the pending checkpoint.
-        written = 1.0 if pending is None or pending.done() else 0.0
-        stats = torch.tensor([loss.item(), sigterm["received"], written], device=device)
+        stats = torch.tensor([loss.item(), sigterm["received"]], device=device)  # one all-reduce for both
         dist.all_reduce(stats)
         mean_loss, preempted = stats[0].item() / world, stats[1].item() > 0
         tok_s = args.batch_size * args.seq_len / (time.time() - t0)
@@ -302,17 +301,13 @@ def train(args, device, rank, world):
         if args.log_file and rank == 0:
             with open(args.log_file, "a") as log:
                 log.write(json.dumps(dict(step=state.step, loss=mean_loss, lr=lr, samples=state.samples)) + "\n")
-        if pending is not None and stats[2].item() == world:  # every rank's write is done: commit it
-            report(pending.wait(), pending_t0)
-            pending = None
         done = state.step in (args.steps, args.stop_after) or preempted
         if done or (args.save_every and state.step % args.save_every == 0):
-            background = args.async_save and not done  # the last save is synchronous: it commits any pending one
+            background = args.async_save and not done  # the last save is synchronous: the run ends with it
             t0 = time.time()
             out = ckpt.save(args.ckpt_dir, state.step, model, opt, extra, keep=args.keep, async_save=background,
                             meta={"model_config": hf_config(args)}, timeout=args.ckpt_timeout)
-            if background:
-                pending, pending_t0 = out, t0
+            if background:  # it commits by itself once every rank's write is durable (ckpt logs the commit)
                 say(f"checkpoint of step {state.step} staged, writing in the background "
                     f"({time.time() - t0:.2f} s blocked)")
             else:
