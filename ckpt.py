@@ -61,6 +61,7 @@ import re
 import shutil
 import socket
 import uuid
+import weakref
 import zlib
 
 import torch
@@ -89,6 +90,7 @@ _groups = {}  # timeout -> the gloo group of checkpoint collectives
 _locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0)
 _base = {}  # root -> the step this run continues from there (loaded or last committed)
 _in_flight = []  # the async save being written, at most one
+_half_loaded = weakref.WeakSet()  # models a load failed to finish writing into: save() refuses them until a load does
 _stagers = []  # the async saves' host buffers, kept until close()
 
 def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
@@ -176,6 +178,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     plan = _attempt(_plan, ckpt_dir, manifest, metadata.value.state_dict_metadata, model, optimizers, extra, rng)
     _check_all(plan.error, group, f"load: match {ckpt_dir} to the model")
     # 5. Read into the live shards and the objects' empty tensors, then hand everything over.
+    _half_loaded.add(model)  # until every rank restored it all: a failure leaves it part-loaded
     try:
         reader = SafeReader(ckpt_dir, metadata.value)
         dcp.load(plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
@@ -184,6 +187,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         raise CheckpointError(f"reading {ckpt_dir} failed{cause}.{_instead(ckpt_dir)}") from e
     restored = _attempt(_restore, plan.value, model, manifest["optimizer_state"])
     _check_all(restored.error, group, f"load: restore {ckpt_dir}")
+    _half_loaded.discard(model)
     # The next save continues from here. A step moved aside is no ancestor of the live ones: they all go aside.
     _base[os.path.dirname(ckpt_dir)] = manifest["step"] if STEP_RE.match(os.path.basename(ckpt_dir)) else -1
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
@@ -212,7 +216,7 @@ def close():
         for owner in _locks.values():
             os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
             os.close(owner)  # releases the lock
-        for registry in (_groups, _stagers, _locks, _base):  # the next run in this process starts afresh
+        for registry in (_groups, _stagers, _locks, _base, _half_loaded):  # the next run in this process starts afresh
             registry.clear()
 
 class PendingSave:
@@ -225,10 +229,11 @@ class PendingSave:
         return self.job.done()
 
     def wait(self):
-        concurrent.futures.wait([self.job])  # a Ctrl-C here leaves it in flight, for the next call to wait for
-        if self in _in_flight:
-            _in_flight.remove(self)
-        return self.job.result()
+        try:
+            return self.job.result()
+        finally:  # a Ctrl-C while it runs leaves it in flight: the next call waits for it
+            if self.job.done() and self in _in_flight:
+                _in_flight.remove(self)
 
 def wait_pending():  # the save in flight, if any, must be over before the group is used again
     while _in_flight:
@@ -244,15 +249,18 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
     if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
+    if model in _half_loaded:  # its shards would mix ranks that read a checkpoint with ranks that did not
+        raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
+                              "optimizers may hold part of it: load() again before saving")
     model_sd = get_model_state_dict(model)
     names = _param_names(model, model_sd)
     flat = {f"model.{k}": v for k, v in model_sd.items()}
-    # A DTensor in an object's state (optimizer moments, an EMA) is restored laid out like a parameter it is laid
-    # out like now, on the mesh of the day: it reshards as that parameter does.
+    # A tensor in an object's state laid out like a parameter (optimizer moments, an EMA's shadows) is stored under
+    # a key of its own and restored laid out like that parameter now: it reshards as the parameter does, and a
+    # plain one saved by an unsharded model comes back sharded in an FSDP2 job.
     fqns_of_layout = collections.defaultdict(set)
-    for fqn, t in model_sd.items():
-        if isinstance(t, DTensor):
-            fqns_of_layout[t.device_mesh, t.placements, t.shape].add(fqn)
+    for param, fqns in names.items():
+        fqns_of_layout[_layout(param)].update(fqns)
     objects = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
     objects.update({f"extra.{name}": obj for name, obj in _extras(extra, rng).items()})
     skeletons, like = {}, {}
@@ -260,18 +268,19 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
         like[key] = {}
 
         def leaf(path, value):  # path: <key>.<path in its state>
-            if not isinstance(value, DTensor):
+            if not isinstance(value, torch.Tensor):
                 return _restorable(path, value)
-            alike = fqns_of_layout.get((value.device_mesh, value.placements, value.shape))
+            alike = fqns_of_layout.get(_layout(value), set())
+            parts = path.split(".")  # the parameter whose name the path holds (exp_avg of <fqn>, shadow.<fqn>)
+            named = [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
+            named = [name for name in named if name in alike]
+            if not named and not isinstance(value, DTensor):
+                return value  # a plain tensor of no parameter's: stored in the skeleton
             if not alike:
                 raise CheckpointError(f"{path} is a DTensor laid out like no parameter of the model "
                                       f"({value.placements}, shape {tuple(value.shape)}): load() could not place it; "
                                       "store its full_tensor()")
             flat[path] = value  # under a key of its own, so that DCP saves each rank's shard
-            # Like the parameter whose name the path holds (exp_avg of <fqn>, an EMA's shadow.<fqn>), if any.
-            parts = path.split(".")
-            named = [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
-            named = [name for name in named if name in alike]
             like[key][path] = max(named, key=len) if named else min(alike)
             return None  # its place in the skeleton
 
@@ -279,6 +288,9 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
     flat.update({key: skeleton for key, skeleton in skeletons.items() if key.startswith("optim.")})
     extras = {key.removeprefix("extra."): s for key, s in skeletons.items() if key.startswith("extra.")}
     return Collected(flat, extras, like, _optimizer_summary(optimizers, names))
+
+def _layout(t):  # what a tensor laid out like a parameter shares with it
+    return (t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else t.shape
 
 def _walk(value, leaf, path=""):
     """value rebuilt with leaf(path, x) in place of each leaf x of its dicts, lists and tuples; a dict key that
@@ -395,11 +407,11 @@ Commit = collections.namedtuple("Commit", "root step tmp manifest group keep bas
 def _write_and_commit(state, c):  # steps 4-6 on every rank; in a background thread for an async save
     written = _attempt(_write, state, c.tmp, c.group)
     try:
-        checksums = _check_all(written.error, c.group, f"save of step {c.step} (nothing committed)", info=written.value)
-    except CheckpointError:
+        checksums = _check_all(written.error, c.group, f"save of step {c.step}: writing", info=written.value)
+    except CheckpointError as e:
         if _rank() == 0:
-            shutil.rmtree(c.tmp, ignore_errors=True)  # frees the space (a full disk, say); the last commit stands
-        raise
+            shutil.rmtree(c.tmp, ignore_errors=True)  # frees the space (a full disk, say)
+        raise CheckpointError(f"{e}. Nothing was committed; the previous checkpoint is intact") from e
     path = _rank0(c.group, f"save of step {c.step}: commit", _commit, c, checksums)
     _base[c.root] = c.step
     log.info("checkpoint %s committed", path)
@@ -442,17 +454,21 @@ def _commit(c, checksums):  # steps 5-6, rank 0; checksums: each rank's {file: i
 def _move_aside(root, base, step):
     """Steps after the one this run continues from belong to a branch given up (a rollback). Moved aside, highest
     first, they keep their data, and the steps under a root stay one history: the highest step is the newest
-    commit. The step being saved again is moved aside too; returns where (the commit then removes it)."""
-    given_up = [s for s in _steps(root) if s > base or s == step] if base is not None else []
+    commit. The step being saved, if this run already has it (base), goes aside too: returns where, for the
+    commit to remove it once the new one is in place (a crash in between leaves it aside, not lost)."""
+    given_up = [s for s in _steps(root) if base is not None and s > base]
     moved = {s: _unique(root, ABANDONED, s) for s in reversed(given_up)}
     for s, aside in moved.items():
         os.rename(step_dir(root, s), aside)
     if moved:
-        fsync_dir(root)  # or a power cut brings a given-up step back as the newest
-    if moved.keys() - {step}:
         log.warning("moved aside %s: not on the branch this run continues from (delete them when no longer needed)",
-                    ", ".join(aside for s, aside in moved.items() if s != step))
-    return moved.get(step) if step == base else None
+                    ", ".join(moved.values()))
+    replaced = _unique(root, ABANDONED, step) if step == base and os.path.isdir(step_dir(root, step)) else None
+    if replaced:
+        os.rename(step_dir(root, step), replaced)
+    if moved or replaced:
+        fsync_dir(root)  # or a power cut brings a given-up step back as the newest
+    return replaced
 
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
@@ -483,9 +499,11 @@ Plan = collections.namedtuple("Plan", "request model_sd names objects")
 
 def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
     saved_types, types = manifest["optimizers"], [type(o).__name__ for o in optimizers]
+    if optimizers and not saved_types:
+        raise CheckpointError(f"{ckpt_dir} was saved without optimizer state: load it with optimizer=None")
     if optimizers and saved_types != types:
-        raise CheckpointError(f"{ckpt_dir} was saved with optimizers {saved_types}, load() was given {types}"
-                              + (": to load the weights alone, pass optimizer=None" if saved_types else ""))
+        raise CheckpointError(f"{ckpt_dir} was saved with optimizers {saved_types}, not {types}: pass the same "
+                              "ones, in the same order (to load the weights alone, pass optimizer=None)")
     model_sd = get_model_state_dict(model)
     request = {f"model.{k}": v for k, v in model_sd.items()}
     _match(ckpt_dir, saved, request)
@@ -728,9 +746,9 @@ def _attempt(fn, *args):  # a local step's Outcome, for _check_all() to share
         return Outcome(None, _describe(e))
 
 def _describe(e):  # in one line: DCP's exception holds every rank's failure, with its traceback
-    failures = e.failures.items() if isinstance(e, dcp.CheckpointException) else [(_rank(), (e, None))]
-    return "; ".join(f"{type(error).__name__}: {error}" + (f" (on rank {r})" if r != _rank() else "")
-                     for r, (error, _) in failures)
+    if isinstance(e, dcp.CheckpointException):
+        return "; ".join(f"on rank {r}: {type(error).__name__}: {error}" for r, (error, _) in e.failures.items())
+    return f"{type(e).__name__}: {e}"
 
 def _check_all(error, group, what, args=None, info=None):
     """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args; else

@@ -16,6 +16,7 @@ recorded as hung and the job exits at once: the test then fails naming it, inste
 import argparse
 import datetime
 import faulthandler
+import fcntl
 import gc
 import hashlib
 import json
@@ -251,36 +252,43 @@ def scen_rollback_new_run(root):
 
 
 def scen_same_or_older_step(root):
-    """Without a rollback, save() of the step this run loaded or committed does nothing; an older one is refused."""
+    """save() of the step this run last committed (or loaded) replaces it with the state given now; an older one
+    is refused."""
     model, opt = make()
     for s in (1, 2):
         train(model, opt, s)
         ckpt.save(root, s, model, opt, timeout=HOUR)
-    train(model, opt, 3)
+    train(model, opt, 3)  # another step, the step counter not advanced
     step2 = ckpt.step_dir(root, 2)
-    before = {n: os.stat(os.path.join(step2, n)).st_mtime_ns for n in listing(step2)}
-    inode = os.stat(step2).st_ino
-    LOG.take()
+    inodes = [os.stat(step2).st_ino]
+
+    def held_weights():  # what step-00000002 holds, read into a fresh model
+        fresh, _ = make(seed=7)
+        ckpt.load(step2, fresh, None, timeout=HOUR)
+        return weights(fresh)
+
     out = {}
     out["again"] = expect_failure(lambda: out.update(again_path=ckpt.save(root, 2, model, opt, timeout=HOUR)))
-    out["again_log"] = LOG.take("nothing to save")
+    inodes.append(os.stat(step2).st_ino)
+    out["again_holds_live"] = held_weights() == weights(model)
+    train(model, opt, 4)
 
     def async_again():
         pending = ckpt.save(root, 2, model, opt, async_save=True, timeout=HOUR)
-        out.update(async_done=pending.done(), async_path=pending.wait())
+        out.update(async_path=pending.wait(), async_done=pending.done())
 
     out["async_again"] = expect_failure(async_again)
+    inodes.append(os.stat(step2).st_ino)
+    out["async_holds_live"] = held_weights() == weights(model)
     out["older"] = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR))
-    out["step2_untouched"] = (os.stat(step2).st_ino == inode
-                              and before == {n: os.stat(os.path.join(step2, n)).st_mtime_ns for n in listing(step2)})
+    out["inodes_differ"] = len(set(inodes)) == 3
     out["listing"] = listing(root)
-    # After a load, the loaded step is the one "this run continues from": saving it again does nothing either.
+    # After a load of step 1 (a rollback), save(1) replaces step 1 and moves step 2 aside.
     fresh, fresh_opt = make(seed=3)
     out["loaded"] = ckpt.load(ckpt.step_dir(root, 1), fresh, fresh_opt, timeout=HOUR)
-    LOG.take()
+    train(fresh, fresh_opt, 5)
     out["after_load"] = expect_failure(lambda: out.update(after_load_path=ckpt.save(root, 1, fresh, fresh_opt,
                                                                                     timeout=HOUR)))
-    out["after_load_log"] = LOG.take("nothing to save")
     out["listing_end"] = listing(root)
     out["root"] = root
     return out
@@ -308,44 +316,52 @@ def scen_find_ignores_abandoned(root):
 
 
 def owner_file(root):
-    path = os.path.join(root, ckpt.OWNER)
+    """The claim's record: None if there is none, or it is empty (its run closed)."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(os.path.join(root, ckpt.OWNER)) as f:
+            text = f.read()
     except FileNotFoundError:
         return None
+    return json.loads(text) if text else None
 
 
-def owner_bytes(root):
+def lock_is_free(root):
+    """Whether another process could claim root now: try its lock (from a new open file, not ckpt's)."""
+    fd = os.open(os.path.join(root, ckpt.OWNER), os.O_RDWR)
     try:
-        with open(os.path.join(root, ckpt.OWNER), "rb") as f:
-            return f.read().decode()
-    except FileNotFoundError:
-        return None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # releases it, if taken
 
 
-FOREIGN_RUN = "feedfacefeedface"
-
-
-def fake_owner(root, host, pid, age, job="4242", text=None):
-    """Rank 0 writes another run's claim, `age` seconds old (atomically: ranks read it); text: raw content."""
+def stale_owner(root, text):
+    """Rank 0 writes a claim's record that no live process locks (its run died), atomically: ranks read it."""
     dist.barrier()
     if RANK == 0:
         os.makedirs(root, exist_ok=True)
         path = os.path.join(root, ckpt.OWNER)
         with open(path + ".new", "w") as f:
-            f.write(text if text is not None else json.dumps({"run": FOREIGN_RUN, "host": host, "pid": pid, "job": job,
-                                                              "started": "2020-01-01T00:00:00+00:00"}))
-        t = time.time() - age
-        os.utime(path + ".new", (t, t))
+            f.write(text)
         os.replace(path + ".new", path)
     dist.barrier()
+
+
+def record(host, pid):
+    return json.dumps({"host": host, "pid": pid, "job": "4242", "started": "2020-01-01T00:00:00"})
 
 
 def dead_pid():
     proc = subprocess.Popen(["true"])
     proc.wait(timeout=30)
     return proc.pid
+
+
+# Another run, in a plain process (no process group): it claims root as train_fsdp.py's check_root() does.
+HOLDER = """import sys; sys.path.insert(0, sys.argv[2]); import ckpt
+ckpt.check_root(sys.argv[1]); print("held", flush=True); sys.stdin.read()"""
 
 
 LIVE = {}  # the live run's model and optimizer, for live_goes_on()
@@ -387,27 +403,25 @@ def live_goes_on():
 
 
 def scen_foreign_live_claim(root):
-    """A live run of another process on this host holds root (its claim refreshed): check_root() and save() are
-    refused naming it; load() of the root and of a step directory claims nothing and works."""
+    """Another live run (a process of its own on this host) holds root: check_root() and save() are refused naming
+    it; load() of the root and of a step directory claims nothing and works."""
     src = root + "-src"
     model, opt = make()
     train(model, opt, 1)
     ckpt.save(src, 1, model, opt, timeout=HOUR)
     saved = weights(model)
+    holder = [None]
+    if RANK == 0:  # the other run claims the empty root, then the step appears (it trains, say)
+        os.makedirs(root)
+        holder[0] = subprocess.Popen([sys.executable, "-c", HOLDER, root, harness.REPO], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert holder[0].stdout.readline().strip() == "held"
     copy_steps(src, root, [1])
-    other = os.getppid()  # torchrun's agent: alive, on this host, not us
-    fake_owner(root, HOST, other, age=0)
-    stop = threading.Event()
-
-    def refresh(path=os.path.join(root, ckpt.OWNER)):
-        while not stop.wait(0.2):
-            os.utime(path)
-
-    if RANK == 0:  # the live owner refreshes its claim, as ckpt's refresher does
-        threading.Thread(target=refresh, daemon=True).start()
-    before, owner_before = listing(root), owner_bytes(root)
+    other = [holder[0].pid if holder[0] else None]
+    dist.broadcast_object_list(other, src=0)
+    before, owner_before = listing(root), owner_file(root)
     fresh, fresh_opt = make(seed=4)
-    out = {"other_pid": other, "owner": owner_file(root), "listing_before": before,
+    out = {"other_pid": other[0], "owner": owner_before, "listing_before": before,
            "check_root": expect_failure(lambda: ckpt.check_root(root, timeout=HOUR)),
            "save": expect_failure(lambda: ckpt.save(root, 5, model, opt, timeout=HOUR))}
     out["load_root"] = expect_failure(lambda: out.update(step_root=ckpt.load(root, fresh, None, timeout=HOUR)))
@@ -419,31 +433,19 @@ def scen_foreign_live_claim(root):
                                                                                 timeout=HOUR)))
     out["weights_dir"], out["saved_weights"] = weights(fresh), saved
     dist.barrier()
-    out["owner_unchanged"] = owner_bytes(root) == owner_before
+    out["owner_unchanged"] = owner_file(root) == owner_before
     out["listing_after"] = listing(root)
-    stop.set()
-    return out
-
-
-def scen_own_pid_owner(root):
-    """A claim naming this host and our own pid, with another run id (an earlier life of a restarted container
-    whose pids repeat): that process is gone, so the claim is taken over at once, not refused."""
-    fake_owner(root, HOST, PID0, age=0)
-    LOG.take()
-    out = {"fake": owner_file(root), "my_pid": PID0,
-           "check_root": expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))}
-    out["log"] = LOG.take("taking over")
-    out["owner"] = owner_file(root)
-    model, opt = make()
-    out["save"] = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR))
-    out["committed"] = ckpt.committed_steps(root)
+    out["held_while_refused"] = not lock_is_free(root)
+    dist.barrier()
+    if holder[0]:
+        holder[0].communicate("", timeout=30)  # the other run ends (without close(): as if it died)
     return out
 
 
 def scen_training_claims(root):
-    """Training still claims: load() of another run's checkpoints takes no claim, the save after it does; a fresh
-    run (nothing loaded) moves every live step aside at its first commit; a run whose claim was taken over
-    fails its next save ("lost its claim")."""
+    """Training claims: load() of another run's checkpoints takes no claim, the save after it does, and
+    check_root() keeps it; a run that loaded nothing from a root holding checkpoints is refused, and nothing there
+    is touched."""
     src = root + "-src"
     model, opt = make()
     for s in (1, 2):
@@ -463,25 +465,18 @@ def scen_training_claims(root):
     out["owner_after_check_root"] = owner_file(root)
     out["listing"] = listing(root)
     out["my_pid"], out["host"] = PID0, HOST
-    # A fresh run on a root holding another run's steps: nothing loaded there, so nothing there is continued.
+    # A run that loaded nothing from a root holding another run's steps: a forgotten resume, refused.
     out["fresh_check_root"] = expect_failure(lambda: ckpt.check_root(fresh_root, timeout=HOUR))
-    out["fresh_owner"] = owner_file(fresh_root)
-    LOG.take()
     out["fresh_save"] = expect_failure(lambda: ckpt.save(fresh_root, 1, model, opt, timeout=HOUR))
-    out["fresh_moved"] = LOG.take("moved aside")
     out["fresh_listing"] = listing(fresh_root)
-    # Another run takes the claim over (say, it judged ours stale): our next save must fail, not write beside it.
-    fake_owner(root, "elsewhere", 4242, age=0)
-    train(model, opt, 4)
-    out["lost"] = expect_failure(lambda: ckpt.save(root, 4, model, opt, timeout=HOUR))
-    out["owner_after_lost"] = owner_file(root)
-    out["listing_after_lost"] = listing(root)
+    out["fresh_lock_free"] = lock_is_free(fresh_root)
     return out
 
 
 def scen_dead_owner(root):
-    """Same host, pid gone: taken over at once (logged); only the dead run's temporaries are removed."""
-    fake_owner(root, HOST, dead_pid(), age=0)
+    """A claim whose run died (its record says this host and a pid that is gone; nothing locks it): taken over at
+    once (logged); only the dead run's temporaries are removed."""
+    stale_owner(root, record(HOST, dead_pid()))
     if RANK == 0:
         os.makedirs(os.path.join(root, ".tmp-step-00000009-deadbeef"))
         open(os.path.join(root, ".tmp-step-00000009-deadbeef", "__0_0.distcp"), "w").close()
@@ -499,21 +494,18 @@ def scen_dead_owner(root):
 
 
 def scen_stale_owner(root):
-    """Another host's claim, even a day old, is refused (the run may live: no heartbeat judges it); a claim of this
-    very job (a requeue: same SLURM_JOB_ID / torchrun run id) is taken over, and so is a half-written one."""
-    fake_owner(root, "elsewhere", 12345, age=86400)
-    old = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
-    owner_kept = owner_file(root)
-    this_job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-    fake_owner(root, "elsewhere", 12345, age=0, job=this_job)
-    LOG.take()
-    requeued = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
-    requeue_log, requeue_owner = LOG.take("taking over"), owner_file(root)
-    half_root = root + "-half"  # another root: this job's claim on root stays until close()
-    fake_owner(half_root, "elsewhere", 12345, age=0, text='{"run": "half-wri')
-    half = expect_failure(lambda: ckpt.check_root(half_root, timeout=HOUR))
-    return {"fresh": old, "owner_after_refusal": owner_kept, "stale": requeued, "log": requeue_log,
-            "owner": requeue_owner, "half_written": half, "half_owner": owner_file(half_root), "my_pid": PID0}
+    """Records no live process locks, whatever they say: another host's a day old, this very pid (a restarted
+    container whose pids repeat), a half-written one. Each is taken over at once, with a log line naming it."""
+    out = {"my_pid": PID0}
+    for name, text in {"elsewhere": record("elsewhere", 12345), "own_pid": record(HOST, PID0),
+                       "half_written": '{"host": "half-wri'}.items():
+        sub = root + "-" + name  # a root each: this job's claim stays until close()
+        stale_owner(sub, text)
+        LOG.take()
+        out[name] = expect_failure(lambda: ckpt.check_root(sub, timeout=HOUR))
+        out[name]["log"] = LOG.take("taking over")
+        out[name]["owner"] = owner_file(sub)
+    return out
 
 
 def scen_foreign_entries(root):
@@ -666,8 +658,8 @@ def scen_load_read_data(root):
 
 
 def scen_load_set_state_dict(root):
-    return injected(root, 1, "set_state_dict", kind="load",
-                    patch=("set_state_dict", raiser(RuntimeError("set_state_dict broke (injected)"))))
+    return injected(root, 1, "set_model_state_dict", kind="load",
+                    patch=("set_model_state_dict", raiser(RuntimeError("set_model_state_dict broke (injected)"))))
 
 
 def scen_load_user_load_state_dict(root):
@@ -767,25 +759,39 @@ def scen_big_step(root):
 
 
 def scen_interrupted_wait(root):
-    """Ctrl-C inside PendingSave.wait(): the save stays in flight with its directory; the next save commits it."""
+    """Ctrl-C inside PendingSave.wait() while every rank's background write is held: the save stays in flight
+    with its directory, and once the write goes on it commits by itself; the next save follows it."""
     model, opt = make()
     train(model, opt, 1)
-    pending = ckpt.save(root, 1, model, opt, async_save=True, timeout=HOUR)
-    real = pending.job.result
+    gate = threading.Event()
+    real_write = ckpt.dcp.FileSystemWriter.write_data
 
-    def interrupted(*a, **k):
-        pending.job.result = real  # only the first call is interrupted
-        raise KeyboardInterrupt
+    def held_write(self, *a, **k):
+        gate.wait(30)
+        return real_write(self, *a, **k)
 
-    pending.job.result = interrupted
-    r = expect_failure(pending.wait)
-    out = {"wait": r, "path_after_interrupt": pending.path, "committed_after_interrupt": ckpt.committed_steps(root),
-           "tmp_after": [n for n in listing(root) if n.startswith(".tmp-step-00000001")]}
+    with patched("dcp.FileSystemWriter.write_data", None, held_write):
+        pending = ckpt.save(root, 1, model, opt, async_save=True, timeout=HOUR)
+        real = pending.job.result
+
+        def interrupted(*a, **k):
+            pending.job.result = real  # only the first call is interrupted
+            raise KeyboardInterrupt
+
+        pending.job.result = interrupted
+        r = expect_failure(pending.wait)
+        out = {"wait": r, "done_after_interrupt": pending.done(),
+               "committed_after_interrupt": ckpt.committed_steps(root),
+               "tmp_after": [n for n in listing(root) if n.startswith(".tmp-step-00000001")]}
+        gate.set()
+        t0 = time.monotonic()
+        while not ckpt.committed_steps(root) and time.monotonic() - t0 < 30:  # no ckpt call: it commits by itself
+            time.sleep(0.01)
+        out["committed_by_itself"] = ckpt.committed_steps(root)
     train(model, opt, 2)
     out["save2"] = expect_failure(lambda: out.update(path2=os.path.basename(ckpt.save(root, 2, model, opt,
                                                                                       timeout=HOUR))))
-    out["pending_path"] = os.path.basename(pending.path or "")
-    out["wait_again"] = os.path.basename(pending.wait())  # committed: no collective, the same path
+    out["wait_again"] = os.path.basename(pending.wait())
     out["committed"] = ckpt.committed_steps(root)
     out["listing"] = listing(root)
     return out
@@ -850,7 +856,7 @@ def scen_save_after_failed_load(root):
 ORDER = [
     # First: close() (the relaunched run) releases every claim this job holds, the live root's too.
     "rollback_new_run", "hold_live", "rollback_same_run", "same_or_older_step", "find_ignores_abandoned",
-    "foreign_live_claim", "own_pid_owner", "training_claims", "dead_owner", "stale_owner", "foreign_entries",
+    "foreign_live_claim", "training_claims", "dead_owner", "stale_owner", "foreign_entries",
     "vanished_while_loading",
     "save_user_state_dict", "save_prepare_rank0", "save_shared_storage", "save_write_data", "save_checksum",
     "load_choose_rank0", "load_hash", "load_read_metadata", "load_read_data", "load_set_state_dict",
@@ -918,6 +924,8 @@ try:
     ckpt.close()
     dist.barrier()
     results["close"]["claims_after"] = claims()
+    claimed = [os.path.join(args.work, n) for n in results["close"]["claims_before"] if n != "live"]
+    results["close"]["locks_free"] = all(lock_is_free(r) for r in claimed + [args.live_root] if r)
     results["job_secs"] = round(time.monotonic() - t_job, 1)
     dump()
     ckpt.close()

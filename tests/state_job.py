@@ -224,7 +224,7 @@ def scen_lazy_ema(root, out):
             "param_placements": {n: str(p.placements) for n, p in params.items()},
             "vs_saved": vs_saved, "meta": meta, "losses": losses, "resumed": resumed, "dloss": dloss(losses, resumed),
             "ema_diff_end": max_diff([fresh_ema.shadow[n] for n in names], [ema.shadow[n] for n in names]),
-            "like": ckpt.read_manifest(ckpt.find_checkpoint(root))["extra"]["ema"]["like"]}
+            "like": ckpt.read_manifest(ckpt.find_checkpoint(root))["objects"]["extra.ema"]["like"]}
 
 
 def two_optimizers(model):
@@ -274,7 +274,7 @@ def scen_mixed_extra(root, out):
                  "rank": rank(), "per_rank_t": torch.full((3,), float(rank())),
                  "cfg": {"size": torch.Size([2, 3]), "dtype": torch.bfloat16, "device": torch.device("cpu")}}
     path = ckpt.save(root, 1, model, None, {"mixed": Box(state)})
-    entry = ckpt.read_manifest(path)["extra"]["mixed"]
+    entry = ckpt.read_manifest(path)["objects"]["extra.mixed"]
     fresh, box = build(1), Box({})
     loaded = ckpt.load(root, fresh, None, {"mixed": box})
     got, problems, leaves = box.state, [], {}
@@ -322,8 +322,8 @@ def scen_unplaceable(root, out):
 
 
 def scen_optimizer_refusals(root, out):
-    """f. Optimizer state torch cannot flatten by parameter name: a None momentum buffer (SGD, second in the list)
-    and LBFGS's lists."""
+    """f. Optimizer state beyond tensors and numbers: a None momentum buffer (SGD, second in the list) round-trips;
+    LBFGS's lists of past directions (flat tensors laid out like no parameter) are refused by key."""
     model = build(0)
     adam = torch.optim.AdamW(model.a.parameters(), lr=1e-2)
     sgd = torch.optim.SGD([*model.norm.parameters(), *model.b.parameters()], lr=0.1, momentum=0.9)
@@ -331,8 +331,17 @@ def scen_optimizer_refusals(root, out):
         train_step(model, [adam, sgd], i)
     sgd.state[model.b.weight]["momentum_buffer"] = None  # what SGD itself holds for a parameter it skipped
     sub = os.path.join(root, "sgd")
-    r = outcome(lambda: ckpt.save(sub, 2, model, [adam, sgd]))
-    res = {"sgd": dict(r, listing=listing(sub))}
+    saved = outcome(lambda: ckpt.save(sub, 2, model, [adam, sgd]))
+    fresh = build(1)
+    fresh_adam = torch.optim.AdamW(fresh.a.parameters(), lr=1e-2)
+    fresh_sgd = torch.optim.SGD([*fresh.norm.parameters(), *fresh.b.parameters()], lr=0.1, momentum=0.9)
+    loaded = outcome(lambda: ckpt.load(sub, fresh, [fresh_adam, fresh_sgd]))
+    names, fresh_names = {p: n for n, p in model.named_parameters()}, {p: n for n, p in fresh.named_parameters()}
+    before = {names[p]: s["momentum_buffer"] for p, s in sgd.state.items()}
+    after = {fresh_names[p]: s["momentum_buffer"] for p, s in fresh_sgd.state.items()}
+    buffers = {n: None if after.get(n) is None else max_diff([before[n]], [after[n]]) for n in sorted(before)}
+    res = {"sgd": dict(saved, listing=listing(sub), loaded=loaded, buffers=buffers,
+                       none_kept=before["b.weight"] is None and after.get("b.weight", 0) is None)}
 
     model = build(0)
     lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2, history_size=3)
@@ -379,7 +388,7 @@ def scen_summary_mismatch(root, out):
     path = ckpt.save(root, 2, model, opt)
     if rank() == 0:
         manifest = ckpt.read_manifest(path)
-        manifest["optimizer"]["a.weight"][1] = 7.0  # saved at step 2.0
+        manifest["optimizer_state"]["a.weight"][1] = 7.0  # saved at step 2.0
         with open(os.path.join(path, ckpt.MANIFEST), "w") as f:
             json.dump(manifest, f)
     fresh = build(1)
@@ -387,7 +396,8 @@ def scen_summary_mismatch(root, out):
 
 
 def scen_same_and_older_step(root, out):
-    """h. save() of the step just loaded writes nothing; save() of an older one is refused."""
+    """h. save() of the step just loaded, with other state, replaces it (sync, then async); an older one is
+    refused."""
     model = build(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for i in range(2):
@@ -400,22 +410,20 @@ def scen_same_and_older_step(root, out):
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     res = {"loaded": ckpt.load(root, fresh, fresh_opt)}
 
-    def snapshot():
-        return {os.path.relpath(os.path.join(d, f), root): os.stat(os.path.join(d, f)).st_mtime_ns
-                for d, _, files in os.walk(root) for f in files if f != ckpt.OWNER} | {"dirs": listing(root)}
+    def saved_weights():
+        probe = build(2)
+        ckpt.load(path3, probe, None)
+        return [full(p).clone() for p in probe.parameters()]
 
-    before = snapshot()
-    lines = harness.Lines()
-    logging.getLogger("ckpt").addHandler(lines)
-    try:
-        same = outcome(lambda: ckpt.save(root, 3, fresh, fresh_opt))
-        pending = ckpt.save(root, 3, fresh, fresh_opt, async_save=True)
-        same_async = {"done": pending.done(), "path": pending.wait()}
-        older = outcome(lambda: ckpt.save(root, 2, fresh, fresh_opt))
-    finally:
-        logging.getLogger("ckpt").removeHandler(lines)
-    res.update(path3=path3, same=same, same_async=same_async, older=older, unchanged=snapshot() == before,
-               dirs=listing(root), log=[line for line in lines.lines if "nothing to save" in line or "before" in line])
+    train_step(fresh, [fresh_opt], 3)  # another step, without advancing the step counter
+    same = outcome(lambda: ckpt.save(root, 3, fresh, fresh_opt))
+    res["sync_vs_live"] = max_diff(saved_weights(), [full(p) for p in fresh.parameters()])
+    train_step(fresh, [fresh_opt], 4)
+    pending = ckpt.save(root, 3, fresh, fresh_opt, async_save=True)
+    same_async = {"path": pending.wait(), "done": pending.done()}
+    res["async_vs_live"] = max_diff(saved_weights(), [full(p) for p in fresh.parameters()])
+    older = outcome(lambda: ckpt.save(root, 2, fresh, fresh_opt))
+    res.update(path3=path3, same=same, same_async=same_async, older=older, dirs=listing(root))
     return res
 
 

@@ -236,7 +236,7 @@ def test_per_rank_state_refuses_another_world_size(chain, tmp_path):
     lines = [line for line in out.splitlines() if "CheckpointError" in line]
     print(f"\nresumed at world size 1 from 2: exit {rc}, {lines[-1].strip() if lines else 'no CheckpointError'}")
     assert rc != 0 and lines, out[-3000:]
-    assert any("extra 'data' differed between ranks when saved at world size 2" in line for line in lines), lines
+    assert any("extra.data differed between ranks when saved at world size 2" in line for line in lines), lines
     assert not read_log(tmp_path / "log.jsonl"), "no step may run after a refused load"
 
 

@@ -250,7 +250,6 @@ class Progress:
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank, world = dist.get_rank(), dist.get_world_size()
-ckpt.check_root(args.ckpt_dir)
 bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 mp = bf16 if args.mixed_precision == "bf16" else MixedPrecisionPolicy()
 
@@ -323,6 +322,7 @@ try:
         found = ckpt.load(args.ckpt_dir, model, optimizer, loaded)  # None: nothing saved yet, start at 0
         if found is not None and args.dump_state:
             dump("loaded")
+    ckpt.check_root(args.ckpt_dir)  # after load(): a root holding checkpoints this run did not load is refused
     while progress.step < args.steps:
         progress.step += 1
         seqs = data.next(batch // dp_size)
