@@ -219,6 +219,7 @@ def test_async_save_commits_without_another_ckpt_call(relaunch):
     print(f"\nasync save of step {N}: committed {first['commit_after_save']:.3f} s after the save started (training "
           f"had logged step {at_commit['logged']}), SIGKILL {first['kill_after_save']:.2f} s after the save at step "
           f"{first['logged']}; exit codes {first['rcs']}; root then held {first['listing']}")
+    assert f"checkpoint of step {N} staged, writing in the background" in first["out"], first["out"][-3000:]
     assert first["commit_after_save"] is not None, f"step {N} was never committed:\n{first['out'][-3000:]}"
     assert at_commit["logged"] < 2 * N, "the commit came only after the loop reached its next save (a ckpt call)"
     assert first["went_on"] and first["logged"] < 2 * N, "training did not go on, or reached the next save"
