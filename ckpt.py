@@ -12,8 +12,8 @@ process group (a plain Python process) they work as a world of one.
 
 Save (the code carries the same numbers):
   1. Collect the model's state (get_model_state_dict), each optimizer's state_dict() keyed by parameter name, and
-     each extra's state_dict(): their DTensors under keys of their own, the rest as one value. Nothing runs an
-     optimizer step. Refuse what load() could not restore.
+     each extra's state_dict(): their tensors laid out like a parameter under keys of their own, the rest as one
+     value. Nothing runs an optimizer step. Refuse what load() could not restore.
   2. Agree: no rank failed, all got the same arguments and hold the same values where DCP stores one copy (all
      but DTensors), else refuse naming them. An extra whose state differs between ranks is stored per rank.
   3. Prepare: rank 0 claims the root (a lock held while the run lives; refused if another run holds it, or if
@@ -40,16 +40,15 @@ Load:
         __0_0.distcp  __1_0.distcp     DCP: each rank's shards, and the values stored once
       .tmp-step-00000200-1a2b3c4d/     a save in progress, or interrupted: never loaded
       .abandoned-step-00000150-9f8e/   a step given up by a rollback: kept, loaded only if named
-Keys: model.<fqn>; optim.<i>, optimizer i's state_dict() keyed by parameter name, its DTensors under
-optim.<i>.state.<fqn>.<name>; extra.<name>, an extra's state but its DTensors (rank.<r>.extra.<name> where it
-differs between ranks), and extra.<name>.<path>, a DTensor in it. The random generators are the extras rng.torch,
-rng.cuda and rng.python.
+Keys: model.<fqn>; optim.<i>, optimizer i's state_dict() keyed by parameter name, its tensors under
+optim.<i>.state.<fqn>.<name>; extra.<name>, an extra's state (rank.<r>.extra.<name> where it differs between
+ranks), its tensors laid out like a parameter under extra.<name>.<path>. The random generators are the extras
+rng.torch, rng.cuda and rng.python.
 """
 
 import collections
 import concurrent.futures
 import datetime
-import errno
 import fcntl
 import hashlib
 import json
@@ -111,9 +110,13 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     extra_digests = {name: _digest({name: skeleton}) for name, skeleton in state.extras.items()} if state else {}
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
             "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {})}
-    reports = _check_all(collect_error, group, "save()", args, info=(_digest(stored_once), extra_digests))
-    if len({stored_once_digest for stored_once_digest, _ in reports}) > 1:
-        _refuse_differences(group, stored_once)
+    reports = _check_all(collect_error, group, "save()", args, info=(_fingerprints(stored_once), extra_digests))
+    prints = [fingerprints for fingerprints, _ in reports]
+    differ = sorted(key for key in set().union(*prints) if len({p.get(key) for p in prints}) > 1)
+    if differ:
+        raise CheckpointError(f"save(): {len(differ)} value(s) differ between ranks, and DCP stores one copy of "
+                              f"each: {', '.join(differ[:10])}. Make them equal on every rank (a buffer: broadcast "
+                              "it or compute it from all-reduced values; optimizer state: load or step alike)")
     per_rank = {name for name, digest in extra_digests.items() if any(d.get(name) != digest for _, d in reports)}
     if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
         per_rank |= {name for name in extra_digests if name.startswith("rng.")}
@@ -160,23 +163,22 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     """
     wait_pending()  # a background save uses the same group
     group, path, optimizers = checkpoint_group(timeout), os.path.realpath(path), _as_list(optimizer)
-    # 1. Agree on the arguments first: a rank in save() and another in load() meet here, not in a hang.
+    # 1. Agree on the arguments (a rank in save() and another in load() meet here, not in a hang), and 2. rank 0
+    # alone chooses, in the same round, so that every rank loads the same checkpoint (choosing only reads).
     args = {"path": path, "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
             "rng": rng, "verify": verify}
-    _check_all(None, group, "load()", args)
-    # 2. Choose: rank 0 alone looks, so that every rank loads the same checkpoint.
-    ckpt_dir, manifest = _rank0(group, f"load: find a checkpoint in {path}", _choose, path)
+    ckpt_dir, manifest = _rank0(group, "load()", _choose, path, arguments=args)
     if ckpt_dir is None:
         return None
-    # 3. Verify, each rank its share of the files, before anything is read.
+    # 3. Verify, each rank its share of the files, before anything is read; 4. match the checkpoint to the model,
+    # the optimizers and the extras. One round reports either.
     checked = _attempt(verify_files, ckpt_dir, manifest, _share(manifest["files"]), verify)
     metadata = _attempt(read_metadata, ckpt_dir)
     damage = checked.error or "; ".join(checked.value) or metadata.error
-    _check_all(damage and f"refusing to load a damaged checkpoint: {damage}.{_instead(ckpt_dir)}", group,
-               f"load: verify {ckpt_dir}")
-    # 4. Match the checkpoint to the model, the optimizers and the extras.
-    plan = _attempt(_plan, ckpt_dir, manifest, metadata.value.state_dict_metadata, model, optimizers, extra, rng)
-    _check_all(plan.error, group, f"load: match {ckpt_dir} to the model")
+    plan = Outcome(None, None) if damage else _attempt(_plan, ckpt_dir, manifest, metadata.value.state_dict_metadata,
+                                                        model, optimizers, extra, rng)
+    refused = f"refusing to load a damaged checkpoint: {damage}.{_instead(ckpt_dir)}" if damage else plan.error
+    _check_all(refused, group, f"load: verify {ckpt_dir} and match it to the model")
     # 5. Read into the live shards and the objects' empty tensors, then hand everything over.
     _half_loaded.add(model)  # until every rank restored it all: a failure leaves it part-loaded
     try:
@@ -340,28 +342,22 @@ class OptimizerByName:
 
     def load_state_dict(self, sd):
         groups = self.optimizer.state_dict()["param_groups"]  # params: the indices the state is keyed by now
-        kind = type(self.optimizer).__name__
-        if len(sd["param_groups"]) != len(groups):
-            raise CheckpointError(f"{kind} has {len(groups)} param groups, the checkpoint {len(sd['param_groups'])}: "
-                                  "build it as it was when saved")
-        for i, (saved, live) in enumerate(zip(sd["param_groups"], groups)):
-            params = [self.fqns[index] for index in live["params"]]
-            if saved["params"] != params:
-                raise CheckpointError(f"{kind}'s param group {i} holds {params[:3]}... ({len(params)}), the "
-                                      f"checkpoint's {saved['params'][:3]}... ({len(saved['params'])}): build it as "
-                                      "when saved")
-            if set(saved) - set(live):  # an option this optimizer lacks: it was built otherwise
-                raise CheckpointError(f"{kind}'s param group {i} has no {sorted(set(saved) - set(live))}, which the "
-                                      f"checkpoint's has{_hint(set(saved) - set(live))}")
+        saved_params = [group["params"] for group in sd["param_groups"]]
+        params = [[self.fqns[i] for i in group["params"]] for group in groups]
+        if saved_params != params:  # built otherwise: the checkpoint's groups would go to other parameters
+            raise CheckpointError(f"{type(self.optimizer).__name__}'s param groups hold {[len(p) for p in params]} "
+                                  f"parameters, the checkpoint's {[len(p) for p in saved_params]} (first: "
+                                  f"{[p[:1] for p in params]}, saved {[p[:1] for p in saved_params]}): build it as "
+                                  "it was when saved")
+        lacking = sorted({option for group in sd["param_groups"] for option in group} - set(groups[0]))
+        if lacking:
+            raise CheckpointError(f"{type(self.optimizer).__name__} has no option {lacking} of the checkpoint's"
+                                  + (" (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before "
+                                     "load(), as at save())" if "initial_lr" in lacking else ""))
         index = {fqn: i for i, fqn in enumerate(self.fqns)}
         self.optimizer.load_state_dict({"state": {index[fqn]: state for fqn, state in sd["state"].items()},
                                         "param_groups": [dict(saved, params=live["params"])
                                                          for saved, live in zip(sd["param_groups"], groups)]})
-
-def _hint(option_names):  # why param groups' options differ
-    if "initial_lr" in option_names:
-        return " (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before load(), as at save())"
-    return ""
 
 def _fingerprints(values):
     """{key or path of each leaf of values (a dict): a digest of it}; of a tensor, of its bytes (pickles of equal
@@ -379,14 +375,6 @@ def _fingerprints(values):
 
 def _digest(values):
     return hashlib.sha256(json.dumps(sorted(_fingerprints(values).items())).encode()).hexdigest()[:16]
-
-def _refuse_differences(group, stored_once):
-    """On every rank: the values DCP stores one copy of differ between ranks. A second round finds which."""
-    reports = _check_all(None, group, "save: compare the values stored once", info=_fingerprints(stored_once))
-    differ = sorted(path for path in set().union(*reports) if len({r.get(path) for r in reports}) > 1)
-    raise CheckpointError(f"save(): {len(differ)} value(s) differ between ranks, and DCP stores one copy of each: "
-                          f"{', '.join(differ[:10])}. Make them equal on every rank (a buffer: "
-                          "broadcast it or compute it from all-reduced values; optimizer state: load or step alike)")
 
 def _prepare(root, step):  # step 3, rank 0
     _claim(root)
@@ -454,21 +442,18 @@ def _commit(c, checksums):  # steps 5-6, rank 0; checksums: each rank's {file: i
 def _move_aside(root, base, step):
     """Steps after the one this run continues from belong to a branch given up (a rollback). Moved aside, highest
     first, they keep their data, and the steps under a root stay one history: the highest step is the newest
-    commit. The step being saved, if this run already has it (base), goes aside too: returns where, for the
-    commit to remove it once the new one is in place (a crash in between leaves it aside, not lost)."""
-    given_up = [s for s in _steps(root) if base is not None and s > base]
-    moved = {s: _unique(root, ABANDONED, s) for s in reversed(given_up)}
+    commit. The step saved again (step == base) goes aside too: returns where, for the commit to remove it once
+    the new one is in place (a crash in between leaves it aside, not lost)."""
+    given_up = [s for s in reversed(_steps(root)) if base is not None and (s > base or s == step)]
+    moved = {s: _unique(root, ABANDONED, s) for s in given_up}
     for s, aside in moved.items():
         os.rename(step_dir(root, s), aside)
     if moved:
-        log.warning("moved aside %s: not on the branch this run continues from (delete them when no longer needed)",
-                    ", ".join(moved.values()))
-    replaced = _unique(root, ABANDONED, step) if step == base and os.path.isdir(step_dir(root, step)) else None
-    if replaced:
-        os.rename(step_dir(root, step), replaced)
-    if moved or replaced:
         fsync_dir(root)  # or a power cut brings a given-up step back as the newest
-    return replaced
+    if moved.keys() - {base}:
+        log.warning("moved aside %s: not on the branch this run continues from (delete them when no longer needed)",
+                    ", ".join(aside for s, aside in moved.items() if s != base))
+    return moved.get(base)
 
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
@@ -493,17 +478,15 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
     gone = "" if os.path.isdir(ckpt_dir) else f" {ckpt_dir} does not exist (removed by another run's retention?)."
     return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
-# request: what dcp.load() reads into; model_sd: the model's live state; names: {parameter: its names};
-# objects: {key: (object, the key its skeleton was read under)}.
-Plan = collections.namedtuple("Plan", "request model_sd names objects")
+# request: what dcp.load() reads into; names: {parameter: its names}; objects: {key: (object, the key its
+# skeleton is read under)}.
+Plan = collections.namedtuple("Plan", "request names objects")
 
 def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
-    saved_types, types = manifest["optimizers"], [type(o).__name__ for o in optimizers]
-    if optimizers and not saved_types:
-        raise CheckpointError(f"{ckpt_dir} was saved without optimizer state: load it with optimizer=None")
-    if optimizers and saved_types != types:
-        raise CheckpointError(f"{ckpt_dir} was saved with optimizers {saved_types}, not {types}: pass the same "
-                              "ones, in the same order (to load the weights alone, pass optimizer=None)")
+    types = [type(o).__name__ for o in optimizers]
+    if optimizers and manifest["optimizers"] != types:
+        raise CheckpointError(f"{ckpt_dir} was saved with optimizers {manifest['optimizers']}, not {types}: pass "
+                              "the same ones, in the same order (to load the weights alone, pass optimizer=None)")
     model_sd = get_model_state_dict(model)
     request = {f"model.{k}": v for k, v in model_sd.items()}
     _match(ckpt_dir, saved, request)
@@ -533,20 +516,17 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
         objects[key] = (obj, skeleton)
     if unrestored and optimizers and _rank() == 0:  # a resume that leaves state behind (not a weights-only load)
         log.warning("not restored from %s: %s", ckpt_dir, ", ".join(unrestored))
-    return Plan(request, model_sd, names, objects)
+    return Plan(request, names, objects)
 
 def _match(ckpt_dir, saved, request):
     """Refuse, naming the keys, a checkpoint whose model keys, shapes or dtypes are not the live ones."""
-    missing = [k for k in request if k not in saved]
-    unexpected = [k for k in saved if k.startswith("model.") and k not in request]
-    differ = []
-    for key, value in request.items():
-        was = saved.get(key)
-        if hasattr(was, "size") and (was.properties.dtype, tuple(was.size)) != (value.dtype, tuple(value.shape)):
-            differ.append(f"{key}: {was.properties.dtype} {tuple(was.size)} saved, {value.dtype} "
-                          f"{tuple(value.shape)} here")
-    found = {"missing from the checkpoint": missing, "not in the model": unexpected,
-             "of another dtype or shape": differ}
+    live = {k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for k, v in request.items()}
+    kept = {k: (m.properties.dtype, tuple(m.size)) if hasattr(m, "size") else None
+            for k, m in saved.items() if k.startswith("model.")}
+    found = {"missing from the checkpoint": [k for k in live if k not in kept],
+             "not in the model": [k for k in kept if k not in live],
+             "of another dtype or shape": [f"{k}: {kept[k][0]} {kept[k][1]} saved, {live[k][0]} {live[k][1]} here"
+                                           for k in live if k in kept and kept[k] != live[k]]}
     problems = [f"{len(keys)} key(s) {what}: {keys[:10]}" for what, keys in found.items() if keys]
     if problems:
         raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model: {'; '.join(problems)}")
@@ -712,10 +692,9 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 # ---- coordination: a gloo group with a long timeout; every rank learns of any rank's failure ----
 
 def checkpoint_group(timeout=DEFAULT_TIMEOUT):
-    """The gloo group, with its own long timeout, of every checkpoint collective. Training keeps a short timeout,
-    to notice a hung rank; under it, the first save to slow storage would kill the job (or the NCCL watchdog
-    would). gloo keeps coordination off the GPU. Creating a group is collective: every rank does it here. None
-    without a process group: a world of one, with no collectives."""
+    """The gloo group, with its own long timeout, of every checkpoint collective (None without a process group:
+    a world of one). Training keeps a short timeout, to notice a hung rank; under it, the first save to slow
+    storage would kill the job (or the NCCL watchdog would). gloo keeps coordination off the GPU."""
     if not dist.is_initialized():
         return None
     timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
@@ -769,10 +748,11 @@ def _check_all(error, group, what, args=None, info=None):
         raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
     return [rank_info for _, _, rank_info in reports]
 
-def _rank0(group, what, fn, *args):
-    """Rank 0 alone runs fn(*args) (it alone touches the root); every rank returns its result, or raises its error."""
+def _rank0(group, what, fn, *args, arguments=None):
+    """Rank 0 alone runs fn(*args) (it alone touches the root); every rank returns its result, or raises its error,
+    or that of _check_all(arguments)."""
     outcome = _attempt(fn, *args) if _rank() == 0 else Outcome(None, None)
-    return _check_all(outcome.error, group, what, info=outcome.value)[0]
+    return _check_all(outcome.error, group, what, arguments, info=outcome.value)[0]
 
 def _as_list(optimizer):
     return [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -793,7 +773,7 @@ def _claim(root):
     except OSError as e:
         holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
         os.close(owner)
-        if e.errno not in (errno.EAGAIN, errno.EACCES):
+        if not isinstance(e, BlockingIOError):  # ENOLCK, ENOSYS: a file system without locks
             raise CheckpointError(f"cannot lock {os.path.join(root, OWNER)} ({e}): one run per root needs a file "
                                   "system with locks (NFS with locking, Lustre mounted with -o flock)") from e
         raise CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "

@@ -373,12 +373,18 @@ def plain_load(d):
     model = build(1, fsdp=False)
     opts = OPTIMIZERS["adamw"](model)
     sched = torch.optim.lr_scheduler.StepLR(opts[0], step_size=2, gamma=0.5)
-    try:
-        ckpt.check_root(root)
+    try:  # the README's order: load (resume), then check_root (claim)
         step = ckpt.load(root, model, opts, {"sched": sched, "position": Box({})}) or 0
+        ckpt.check_root(root)
         res["readme_order"] = {"step": step, "dweights": diff(ref["weights"], weights(model)), "error": None}
     except ckpt.CheckpointError as e:
         res["readme_order"] = {"step": None, "error": str(e)}
+    ckpt.close()
+    try:  # the other order, on the same root: refused, saying how to resume
+        ckpt.check_root(root)
+        res["claim_first"] = None
+    except ckpt.CheckpointError as e:
+        res["claim_first"] = str(e)
     ckpt.close()  # releases the claim, if it was taken
     for name in ("weights_only", "extras", "optimizer"):
         model = build(1, fsdp=False)

@@ -318,14 +318,18 @@ def test_forgotten_resume_fails_before_training(relaunch):
 
 
 def test_readme_loop_resumes(plain):
-    """README's "Use it in your own training loop", as written: ckpt.check_root(root), then ckpt.load(root, ...).
-    Run again on a root holding a checkpoint (a resume), it must load it. Guards against a documented loop that
-    cannot resume: check_root() refuses a root with checkpoints this run has not loaded (yet)."""
-    readme = plain[2]["readme_order"]
-    print(f"\nREADME's order (check_root, then load) on a root holding step 3: "
-          f"{readme['error'] or 'loaded step %d, max |dweights| %.1e' % (readme['step'], readme['dweights'])}")
+    """README's "Use it in your own training loop", as written: ckpt.load(root, ...), then ckpt.check_root(root).
+    Run again on a root holding a checkpoint (a resume), it must load it; check_root() first, before any load, is
+    refused with the fix in the message. Guards against a documented loop that cannot resume, and a claim that
+    lets a run that forgot to resume start over on a used root."""
+    readme, claim_first = plain[2]["readme_order"], plain[2]["claim_first"]
+    print(f"\nREADME's order (load, then check_root) on a root holding step 3: "
+          f"{readme['error'] or 'loaded step %d, max |dweights| %.1e' % (readme['step'], readme['dweights'])}"
+          f"\ncheck_root() first: {claim_first}")
     assert readme["error"] is None, f"README's loop cannot resume: {readme['error']}"
     assert readme["step"] == 3 and readme["dweights"] == 0.0
+    assert claim_first and "this run loaded none of them" in claim_first
+    assert "load() the root before check_root()" in claim_first
 
 
 def test_plain_process_save_and_load(plain):
