@@ -10,19 +10,22 @@ comparison sees exactly those failures.
 Point it at your own training script to check your integration of ckpt.py:
 
     python test_resume.py --script path/to/train.py [--nproc 2] [--args="--model tiny"]
-    CKPT_TEST_SCRIPT=path/to/train.py CKPT_TEST_NPROC=2 CKPT_TEST_ARGS="--model tiny" python -m pytest -v -s test_resume.py
+    CKPT_TEST_SCRIPT=path/to/train.py CKPT_TEST_NPROC=2 CKPT_TEST_ARGS="--model tiny" python -m pytest -s test_resume.py
 
 The script must accept --steps N (the length of the whole run, whose last step it saves), --stop-after K
 (save step K, exit 0), --resume (continue from the newest checkpoint in --ckpt-dir; start at step 0 if there
 is none), --ckpt-dir D and --log-file F, and append to F one JSON object per step from rank 0 with "step" and
-"loss" (and "lr", "samples" if it has them, which are compared too). It runs 16 steps uninterrupted, then
-stopped after 6 and 11 and resumed twice; every logged value must be equal, bit for bit, and so must every
-value of the two runs' final checkpoints (model, optimizer, extras, random generators): state that does not
-move the loss (an EMA, say) is compared too. The negative controls patch train_fsdp.py and run only on it.
+"loss". It runs 16 steps uninterrupted, then stopped after 6 and 11 and resumed twice. Every key of every line
+is compared, bit for bit: a key one run logs at a step and the other does not is a difference too. So log only
+what a resumed run must reproduce (no wall-clock times or throughput); a fingerprint of state that does not move
+the loss (an EMA, say) is worth logging. Every key of the two runs' final checkpoints (model, optimizer, extras,
+random generators) must be equal too; when only generators differ, the failure names them. The negative controls
+patch train_fsdp.py and run only on it.
 """
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -44,7 +47,10 @@ STEPS = 16
 # Another script gets only the contract's flags (and CKPT_TEST_ARGS), so its own defaults apply.
 OWN = SMALL + ["--save-every", "4", "--dropout", "0.1", "--seed", "3"] if OURS else []
 COMMON = OWN + ["--steps", str(STEPS)] + shlex.split(os.environ.get("CKPT_TEST_ARGS", ""))
-COMPARED = ("loss", "lr", "samples")
+# An extra whose state differs between ranks is stored once per rank, under this prefix: its copies are one key.
+PER_RANK = re.compile(r"^rank\.\d+\.")
+GENERATOR = re.compile(r"extra\.rng\.(\w+)")  # the random generators ckpt saves
+SEEDING = {"torch": "torch.manual_seed", "cuda": "torch.cuda.manual_seed_all", "python": "random.seed"}
 
 
 def launch(args, **kw):
@@ -60,8 +66,9 @@ def reference(tmp_path_factory):
     log = read_log(d / "log.jsonl")
     assert sorted(log) == list(range(1, STEPS + 1))
     # The loss must visibly fall for the test to mean anything (a resume at the wrong step shows).
-    assert log[STEPS]["loss"] < log[1]["loss"] - (0.5 if OURS else 0.0), \
-        f"the uninterrupted run did not train (loss at step {STEPS} not below step 1's): {[log[s]['loss'] for s in sorted(log)]}"
+    losses = [log[s]["loss"] for s in sorted(log)]
+    assert losses[-1] < losses[0] - (0.5 if OURS else 0.0), \
+        f"the uninterrupted run did not train (loss at step {STEPS} not below step 1's): {losses}"
     return log, d / "ckpt"
 
 
@@ -77,25 +84,43 @@ def final_state(root):
     return ckpt.read_manifest(path)["step"], state
 
 
-def differences(a, b, key=""):
-    """[(key, max |a - b| or None)] wherever a and b differ, bit for bit (tensors by their bytes)."""
-    where = lambda k: f"{key}.{k}" if key else str(k)  # noqa: E731
-    found = []
+def differences(a, b):
+    """[max |a - b|, or None if not a float tensor] for each value where a and b differ, bit for bit (tensor bytes)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        found += [(where(k), None) for k in set(a) ^ set(b)]
-        for k in set(a) & set(b):
-            found += differences(a[k], b[k], where(k))
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            found += differences(x, y, where(i))
-    elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return [None] * len(set(a) ^ set(b)) + [d for k in set(a) & set(b) for d in differences(a[k], b[k])]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for x, y in zip(a, b) for d in differences(x, y)]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype or a.shape != b.shape:
-            found.append((key, None))
-        elif not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
-            found.append((key, (a.double() - b.double()).abs().max().item() if a.is_floating_point() else None))
-    elif type(a) is not type(b) or a != b:
-        found.append((key, None))
-    return found
+            return [None]
+        if torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            return []
+        return [(a.double() - b.double()).abs().max().item() if a.is_floating_point() else None]
+    return [] if type(a) is type(b) and a == b else [None]
+
+
+def differing_keys(want, got):
+    """{checkpoint key: its differing values}, counted per key of DCP's state dict (a per-rank extra's copies as one):
+    a generator's state, a tuple of hundreds of ints, is one key however many of them differ."""
+    found = {}
+    for key in sorted(set(want) | set(got)):
+        deltas = differences(want[key], got[key]) if key in want and key in got else [None]
+        found.setdefault(PER_RANK.sub("", key), []).extend(deltas)
+    return {key: found[key] for key in sorted(found) if found[key]}
+
+
+def advice(diff):
+    """The assertion message: the generators by name when nothing else differs, else the first keys."""
+    generators = [GENERATOR.fullmatch(key) for key in diff]
+    if all(generators):
+        names = sorted({match[1] for match in generators})
+        seeding = ", ".join(SEEDING.get(name, f"{name}'s seed") for name in names)
+        return (f"only random generators differ: {', '.join(names)} ({', '.join(diff)}). A generator the script does "
+                f"not seed starts from a fresh state in every run: seed it at start-up ({seeding})")
+    first = ", ".join(list(diff)[:3]) + (", ..." if len(diff) > 3 else "")
+    return (f"the resumed run's final state differs from the uninterrupted run's in {len(diff)} of its keys ({first}): "
+            "is that state passed to ckpt.load (extra), and its random generator seeded at start-up (random.seed, "
+            "torch.manual_seed)?")
 
 
 @pytest.fixture(scope="module")
@@ -115,23 +140,29 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
     launch(args + ["--resume"])                        # resumes at 11, runs to the end
     log = read_log(d / "log.jsonl")
     assert sorted(log) == list(range(1, STEPS + 1))
-    keys = [k for k in COMPARED if k in reference[1]]
-    figures = ", ".join(f"max |d{k}| = {max_abs_diff(reference, log, k):.3e}" for k in keys)
+    keys = sorted(set().union(*reference.values(), *log.values()) - {"step"})
+    # Figures for the keys that are numbers at every step of both runs; the others (a bool, a list) are compared only.
+    measured = [k for k in keys if all(type(r.get(k)) in (int, float) for r in [*reference.values(), *log.values()])]
+    figures = ", ".join(f"max |d{k}| = {max_abs_diff(reference, log, k):.3e}" for k in measured)
     print(f"\nresumed at 6 and 11: {figures} over {len(log)} steps (compared: {', '.join(keys)})")
     for s in range(1, STEPS + 1):
+        hint = ("; the first step after a resume: is the data position restored, and does anything draw from "
+                "the global RNG between load() and that step (iter(DataLoader) does: give it a generator)?"
+                if s in (7, 12) else "")
         for k in keys:
-            hint = ("; the first step after a resume: is the data position restored, and does anything draw from "
-                    "the global RNG between load() and that step (iter(DataLoader) does: give it a generator)?"
-                    if s in (7, 12) else "")
-            assert log[s][k] == reference[s][k], f"step {s}: {k} {log[s][k]!r} != {reference[s][k]!r}{hint}"
+            only = "the resumed run" if k in log[s] else "the uninterrupted run"
+            assert (k in log[s]) == (k in reference[s]), f"step {s}: {k} is logged by {only} only{hint}"
+            assert log[s].get(k) == reference[s].get(k), f"step {s}: {k} {log[s][k]!r} != {reference[s][k]!r}{hint}"
     (step, want), (got_step, got) = final_state(reference_root), final_state(d / "ckpt")
-    diff = differences(want, got)
-    worst = max((delta for _, delta in diff if delta is not None), default=0.0)
-    print(f"final checkpoints of step {step}: {len(want)} keys, {len(diff)} differ, max |dstate| = {worst:.3e}")
+    diff = differing_keys(want, got)
+    worst = max((delta for deltas in diff.values() for delta in deltas if delta is not None), default=0.0)
+    shown = [key if len(deltas) == 1 else f"{key}: {len(deltas)} values" for key, deltas in diff.items()]
+    named = f" ({', '.join(shown[:3])}{', ...' if len(shown) > 3 else ''})" if diff else ""
+    verb = "differs" if len(diff) == 1 else "differ"
+    saved = len({PER_RANK.sub("", key) for key in want})
+    print(f"final checkpoints of step {step}: {saved} keys, {len(diff)} {verb}{named}, max |dstate| = {worst:.3e}")
     assert got_step == step == STEPS, f"the final checkpoints are of steps {step} and {got_step}, not {STEPS}"
-    assert not diff, (f"the resumed run's final state differs from the uninterrupted run's at {sorted(diff)[0][0]} "
-                      f"({len(diff)} values): is that state passed to ckpt.load (extra), and its random generator "
-                      "seeded at start-up (random.seed, torch.manual_seed)?")
+    assert not diff, advice(diff)
 
 
 @pytest.mark.skipif(not OURS, reason="the controls patch train_fsdp.py (tests/naive_resume.py)")
