@@ -3,8 +3,9 @@
     python consolidate.py checkpoints out/                    # the newest checkpoint under checkpoints/
     python consolidate.py checkpoints/step-00000200 out/ --dtype bf16 --max-shard-size 2GB
     python consolidate.py checkpoints out/ --overwrite        # replace out/ once the new one is complete
+    python consolidate.py checkpoints ema/ --prefix extra.ema.shadow.   # the shadow weights of an EMA extra
 
-out/, what `transformers` and `train_fsdp.py --init-from` read: the model alone, DCP's "model.<name>" as "<name>".
+out/, what `transformers` and `train_fsdp.py --init-from` read: DCP's "<prefix><name>" (model.: the model) as "<name>".
     config.json                          the manifest's meta["model_config"], torch_dtype set to --dtype
     model.safetensors                    when everything fits in --max-shard-size; otherwise
     model-00001-of-00003.safetensors     ... one file per shard, and
@@ -85,19 +86,21 @@ def batches(entries, limit, size):
     if run:
         yield run
 
-def plan(ckpt_dir, metadata, dtype):
-    """Step 3: an Entry per model tensor, in checkpoint order."""
+def plan(ckpt_dir, metadata, dtype, prefix):
+    """Step 3: an Entry per tensor under prefix (the model's: "model."), in checkpoint order."""
     entries = []
     for key, saved in metadata.state_dict_metadata.items():
-        if not key.startswith("model.") or not isinstance(saved, dcp.TensorStorageMetadata):
+        if not key.startswith(prefix) or not isinstance(saved, dcp.TensorStorageMetadata):
             continue  # optimizer state, extras, RNG
         dtype_in = saved.properties.dtype
         dtype_out = dtype if dtype_in.is_floating_point else dtype_in  # integer buffers are never cast
         if dtype_out not in ST_DTYPES:
             raise ConsolidateError(f"{key} in {ckpt_dir} has dtype {dtype_out}, which safetensors cannot store")
         numel = saved.size.numel()
-        entries.append(Entry(key, key.removeprefix("model."), tuple(saved.size), dtype_in, dtype_out,
+        entries.append(Entry(key, key.removeprefix(prefix), tuple(saved.size), dtype_in, dtype_out,
                              numel * dtype_in.itemsize, numel * dtype_out.itemsize))
+    if not entries:
+        raise ConsolidateError(f"no tensor in {ckpt_dir} is named {prefix}*")
     return entries
 
 def header(entries):
@@ -145,7 +148,8 @@ class Progress:
             print(f"consolidate: {self.tensors}/{self.total} tensors, {self.nbytes / 1e6:.1f}/{self.total_mb:.1f} MB, "
                   f"{self.nbytes / 1e6 / (now - self.start):.1f} MB/s", file=sys.stderr, flush=True)
 
-def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=False, checksums=True, quiet=False):
+def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=False, checksums=True, quiet=False,
+                prefix="model."):
     """Write the checkpoint's model to out: {"checkpoint", "files", "tensors", "bytes", "seconds"}. Raises
     ConsolidateError, ckpt.CheckpointError or OSError naming the bad path, with nothing written at out."""
     if sys.byteorder != "little":
@@ -163,7 +167,7 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
     if errors:
         raise ConsolidateError(f"checkpoint {ckpt_dir} is damaged, nothing written: " + "; ".join(errors))
     metadata = ckpt.read_metadata(ckpt_dir)
-    entries = plan(ckpt_dir, metadata, DTYPES[dtype])
+    entries = plan(ckpt_dir, metadata, DTYPES[dtype], prefix)
     files = list(batches(entries, max_shard_size, lambda e: e.bytes_out))
     names = ["model.safetensors"] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
@@ -183,9 +187,7 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
             for name, file_entries in zip(names, files):
                 write_file(os.path.join(tmp, name), file_entries, ckpt_dir, metadata, progress)
         if len(files) > 1:
-            weight_map = {}
-            for name, file_entries in zip(names, files):
-                weight_map.update({e.name: name for e in file_entries})
+            weight_map = {e.name: name for name, file_entries in zip(names, files) for e in file_entries}
             write_json(os.path.join(tmp, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
         config = manifest["meta"].get("model_config")  # train_fsdp.py stores its Hugging Face config there
         if config:
@@ -233,11 +235,12 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace OUT, once the new output is complete")
     p.add_argument("--no-checksum", action="store_true", help="check the files' sizes only, not their checksums")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--prefix", default="model.", help="export the tensors under this key prefix (an EMA's)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # the copies are memory-bound: more threads gain little, and stall them on busy cores
     try:
         consolidate(args.ckpt, args.out, args.dtype, args.max_shard_size, args.overwrite, not args.no_checksum,
-                    args.quiet)
+                    args.quiet, args.prefix)
     except (ConsolidateError, ckpt.CheckpointError, OSError) as e:
         print(f"consolidate.py: error: {e}", file=sys.stderr)
         return 1

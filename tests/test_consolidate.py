@@ -260,6 +260,42 @@ def test_tied_weights(tmp_path):
     assert written == dict(config, torch_dtype="bfloat16")
 
 
+class Shadow:
+    """An EMA extra as the README keeps one: {"decay", "shadow": {parameter name: tensor}}."""
+
+    def __init__(self, shadow):
+        self.shadow = shadow
+
+    def state_dict(self):
+        return {"decay": 0.9, "shadow": self.shadow}
+
+    def load_state_dict(self, sd):
+        self.shadow = sd["shadow"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_ema_exported_by_prefix(tmp_path):
+    """An EMA kept as an extra exports with --prefix extra.ema.shadow.: its shadow weights under the model's names,
+    bit-exact, none of the model's own. The checkpoint is saved by a plain process (no process group), as an export
+    or evaluation script runs. Guards against an EMA that can only be exported by copying it into the model and
+    saving that again."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    shadow = {name: p.detach() * 0.5 for name, p in model.named_parameters()}
+    try:
+        ckpt.save(str(tmp_path / "root"), 1, model, None, {"ema": Shadow(shadow)})
+    finally:
+        ckpt.close()
+    assert consolidate.main([str(tmp_path / "root"), str(tmp_path / "ema"), "--quiet", "--prefix",
+                             "extra.ema.shadow."]) == 0
+    got = read_all(tmp_path / "ema")
+    diff = max((got[name] - shadow[name]).abs().max().item() for name in shadow)
+    print(f"\nEMA exported by prefix: {sorted(got)}; max |diff| vs the shadow weights = {diff:.1e}")
+    assert sorted(got) == sorted(shadow) and diff == 0
+    bad = consolidate.main([str(tmp_path / "root"), str(tmp_path / "none"), "--quiet", "--prefix", "extra.nope."])
+    assert bad == 1 and not os.path.exists(tmp_path / "none")
+
+
 def leftovers(parent):
     return sorted(n for n in os.listdir(parent) if ".tmp-" in n or ".old-" in n)
 
