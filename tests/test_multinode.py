@@ -24,7 +24,6 @@ reference, the 3-rank resume on one node) go through tests/launch.py (torch impo
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpt
-from tests.harness import REPO, SMALL, TRAIN, read_log
+from tests.harness import REPO, SMALL, TRAIN, kill_tree, read_log
 
 SCRIPT = os.path.join(REPO, "run_multinode.sh")
 STEPS = 8
@@ -92,20 +91,14 @@ def wait_nodes(procs, timeout=TIMEOUT):
 def stop_nodes(procs):
     for p, out in procs:
         if not out.closed:
-            kill_group(p.pid)  # the group may outlive torchrun if ranks linger
+            if p.poll() is None:  # torchrun's ranks run in sessions of their own: its process group is not enough
+                kill_tree(p.pid)
             p.wait()
             out.close()
 
 
 def launch_nodes(*args, **kw):
     return wait_nodes(start_nodes(*args, **kw))
-
-
-def kill_group(pgid):
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:  # already gone
-        pass
 
 
 def read(f):
