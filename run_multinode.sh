@@ -26,11 +26,18 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     # Under SLURM, derive what is not set explicitly (an explicit variable always wins).
     NNODES=${NNODES:-$SLURM_NNODES}
     NODE_RANK=${NODE_RANK:-${SLURM_NODEID:?launch this script with srun, one task per node}}
-    # The first host of the allocation. sed, not head: head exits early, and with pipefail an
-    # scontrol killed by SIGPIPE on a long node list would fail the launch.
-    MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)}
-    RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID}
-    MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}  # two jobs sharing a node: two ports
+    # The first host of this job step (srun sets SLURM_STEP_NODELIST; a step may run on part of the
+    # allocation, and SLURM_NNODES and SLURM_NODEID count the step's nodes). sed, not head: head exits
+    # early, and with pipefail an scontrol killed by SIGPIPE on a long node list would fail the launch.
+    MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | sed -n 1p)}
+    # One rendezvous per job step: two steps of one allocation (two sruns) are two runs, which on one
+    # node would otherwise meet at one port (the second failed at start-up: EADDRINUSE). A requeued
+    # job numbers its steps from 0 again, so it gets its dead run's id and port back.
+    STEP=${SLURM_STEP_ID:-0}
+    RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID.$STEP}
+    # Ports 20000-31999, below Linux's ephemeral ones: jobs sharing a node get ports of their own
+    # unless their ids are equal modulo 1000, and so do steps 0-11 of one job.
+    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 1000 * 12 + STEP % 12))}
     NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
 fi
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_fsdp.py")
@@ -14,7 +15,7 @@ SMALL = ["--dim", "64", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32", 
 
 
 def run(cmd, timeout=180, env=None, check=True, cwd=None):
-    """Run cmd in its own process group; on timeout kill the whole group (torchrun and its ranks)."""
+    """Run cmd in its own process group; on timeout kill it and every process it started (torchrun and its ranks)."""
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -22,12 +23,71 @@ def run(cmd, timeout=180, env=None, check=True, cwd=None):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
     return proc.returncode, out
+
+
+def processes():
+    """{pid: (parent pid, state letter)} of every process, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": the command may hold spaces
+            table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def descendants(pid):
+    """pid and every live process under it."""
+    children = {}
+    table = processes()
+    for p, (parent, _) in table.items():
+        children.setdefault(parent, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in table and table[p][1] != "Z":
+            found.append(p)
+            todo.extend(children.get(p, []))
+    return found
+
+
+def signal_all(pids, sig):
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:  # gone meanwhile
+            pass
+
+
+def kill_tree(pid, timeout=10):
+    """SIGKILL pid and every process under it, and wait until they are gone. Killing torchrun's process group is
+    not enough: torchrun starts each rank in a session of its own, and a rank whose torchrun is killed goes on (and
+    holds its checkpoint root). The tree is stopped first, so that nothing in it starts a process unseen."""
+    stopped = set()
+    while True:
+        new = [p for p in descendants(pid) if p not in stopped]
+        if not new:
+            break
+        signal_all(new, signal.SIGSTOP)
+        stopped.update(new)
+    signal_all(stopped, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # a killed process is gone once it is a zombie: its files are closed
+        table = processes()
+        if all(p not in table or table[p][1] == "Z" for p in stopped):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"processes {sorted(stopped)} still run {timeout} s after SIGKILL")
 
 
 def torchrun(args, nproc=2, script=TRAIN, **kw):

@@ -24,7 +24,6 @@ reference, the 3-rank resume on one node) go through tests/launch.py (torch impo
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpt
-from tests.harness import REPO, SMALL, TRAIN, read_log
+from tests.harness import REPO, SMALL, TRAIN, kill_tree, read_log
 
 SCRIPT = os.path.join(REPO, "run_multinode.sh")
 STEPS = 8
@@ -92,20 +91,14 @@ def wait_nodes(procs, timeout=TIMEOUT):
 def stop_nodes(procs):
     for p, out in procs:
         if not out.closed:
-            kill_group(p.pid)  # the group may outlive torchrun if ranks linger
+            if p.poll() is None:  # torchrun's ranks run in sessions of their own: its process group is not enough
+                kill_tree(p.pid)
             p.wait()
             out.close()
 
 
 def launch_nodes(*args, **kw):
     return wait_nodes(start_nodes(*args, **kw))
-
-
-def kill_group(pgid):
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:  # already gone
-        pass
 
 
 def read(f):
@@ -268,26 +261,36 @@ def test_node_local_checkpoint_root_fails_on_every_rank(node_local):
 def test_slurm_settings_arguments_and_exec(tmp_path):
     """Field failure: a launcher that drops SLURM's node list or job id, splits an argument, or
     stays alive as a shell in front of torchrun (a SIGTERM sent to the launcher's pid, as kill or
-    a container runtime sends it, then kills the shell and never reaches torchrun or the ranks).
+    a container runtime sends it, then kills the shell and never reaches torchrun or the ranks);
+    two job steps of one allocation given one rendezvous (on one node the second failed at start-up,
+    its port taken), or a step on part of the allocation sent to the allocation's first node.
     Stand-ins for python and scontrol record what the script runs, without starting torch."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/sh\nprintf "gpu-a17\\ngpu-a18\\ngpu-b02\\n"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/sh\ncase "$3" in "gpu-a[17-18],gpu-b02") printf "gpu-a17\\ngpu-a18\\n'
+                                      'gpu-b02\\n";; *) echo "$3";; esac\n')
     (bin_dir / "python").write_text('#!/bin/sh\necho "pid $$"\nprintf "%s\\n" "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "RDZV_ID")}
+                                                            "MASTER_PORT", "RDZV_ID") and not k.startswith("SLURM_")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHON=str(bin_dir / "python"), SLURM_JOB_ID="7342",
                SLURM_NNODES="3", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu-a[17-18],gpu-b02", SLURM_GPUS_ON_NODE="4")
     args = ["--ckpt-dir", "/shared/with space", "--resume"]
-    # From another directory, so the script must find train_fsdp.py next to itself, not in the cwd.
-    proc = subprocess.Popen([SCRIPT, *args], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-    out, _ = proc.communicate(timeout=30)
-    lines = out.splitlines()
-    print(f"\nunder SLURM: {' '.join(lines[1:])}")
-    assert proc.returncode == 0
-    assert lines[0] == f"pid {proc.pid}", "torchrun must replace the script's shell (exec) to receive SIGTERM"
-    assert lines[1:] == ["-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "4",
-                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-a17:29842", "--rdzv-id", "7342",
-                         "--rdzv-conf", "is_host=0", os.path.join(os.path.realpath(REPO), "train_fsdp.py"), *args]
+    # Step 0 on the whole allocation (as sbatch's first srun), step 1 on its last node alone.
+    steps = {"0": ({}, "gpu-a17:24104", "7342.0"), "1": ({"SLURM_STEP_NODELIST": "gpu-b02", "SLURM_NNODES": "1",
+                                                          "SLURM_NODEID": "0"}, "gpu-b02:24105", "7342.1")}
+    for step, (step_env, endpoint, rdzv_id) in steps.items():
+        # From another directory, so the script must find train_fsdp.py next to itself, not in the cwd.
+        proc = subprocess.Popen([SCRIPT, *args], stdout=subprocess.PIPE, text=True, env=dict(env, SLURM_STEP_ID=step,
+                                **step_env), cwd=tmp_path)
+        out, _ = proc.communicate(timeout=30)
+        lines = out.splitlines()
+        print(f"\nunder SLURM, job step {step}: {' '.join(lines[1:])}")
+        assert proc.returncode == 0
+        assert lines[0] == f"pid {proc.pid}", "torchrun must replace the script's shell (exec) to receive SIGTERM"
+        nnodes, is_host = ("3", "0") if step == "0" else ("1", "1")
+        assert lines[1:] == ["-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "4",
+                             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+                             "--rdzv-conf", f"is_host={is_host}", os.path.join(os.path.realpath(REPO), "train_fsdp.py"),
+                             *args]
