@@ -114,9 +114,8 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     prints = [fingerprints for fingerprints, _ in reports]
     differ = sorted(key for key in set().union(*prints) if len({p.get(key) for p in prints}) > 1)
     if differ:
-        raise CheckpointError(f"save(): {len(differ)} value(s) differ between ranks, and DCP stores one copy of "
-                              f"each: {', '.join(differ[:10])}. Make them equal on every rank (a buffer: broadcast "
-                              "it or compute it from all-reduced values; optimizer state: load or step alike)")
+        raise CheckpointError(f"save(): values DCP stores one copy of differ between ranks ({len(differ)}: "
+                              f"{', '.join(differ[:10])}): make them equal on every rank (broadcast a buffer)")
     per_rank = {name for name, digest in extra_digests.items() if any(d.get(name) != digest for _, d in reports)}
     if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
         per_rank |= {name for name in extra_digests if name.startswith("rng.")}
@@ -201,8 +200,7 @@ def check_root(root, timeout=DEFAULT_TIMEOUT):
     run did not load (a forgotten resume). Otherwise that surfaces at the first save, losing the training so far."""
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
-    _check_all(None, group, "check_root()", {"root": root})
-    _rank0(group, f"check of the checkpoint root {root}", _claim, root)
+    _rank0(group, "check_root()", _claim, root, arguments={"root": root})  # rank 0's own root, whatever others got
     _check_shared(group, os.path.join(root, OWNER))
 
 def close():
@@ -263,10 +261,8 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
     fqns_of_layout = collections.defaultdict(set)
     for param, fqns in names.items():
         fqns_of_layout[_layout(param)].update(fqns)
-    objects = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
-    objects.update({f"extra.{name}": obj for name, obj in _extras(extra, rng).items()})
     skeletons, like = {}, {}
-    for key, obj in objects.items():
+    for key, obj in _objects(optimizers, names, extra, rng).items():
         like[key] = {}
 
         def leaf(path, value):  # path: <key>.<path in its state>
@@ -279,9 +275,8 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
             if not named and not isinstance(value, DTensor):
                 return value  # a plain tensor of no parameter's: stored in the skeleton
             if not alike:
-                raise CheckpointError(f"{path} is a DTensor laid out like no parameter of the model "
-                                      f"({value.placements}, shape {tuple(value.shape)}): load() could not place it; "
-                                      "store its full_tensor()")
+                raise CheckpointError(f"{path} is a DTensor laid out like no parameter ({value.placements}, shape "
+                                      f"{tuple(value.shape)}): load() could not place it; store its full_tensor()")
             flat[path] = value  # under a key of its own, so that DCP saves each rank's shard
             like[key][path] = max(named, key=len) if named else min(alike)
             return None  # its place in the skeleton
@@ -314,7 +309,7 @@ def _restorable(path, value):
                               "checkpoint: convert it in state_dict(), and back in load_state_dict()")
     return value
 
-def _extras(extra, rng):  # the caller's extras and, with rng, the random generators
+def _objects(optimizers, names, extra, rng):  # {key: what holds state there}: optimizers, extras, generators
     for name, obj in (extra or {}).items():
         if not isinstance(name, str) or not name or "." in name or name == "rng":
             raise CheckpointError(f"extra {name!r}: a name is part of the keys: a str without '.', and not 'rng'")
@@ -325,7 +320,9 @@ def _extras(extra, rng):  # the caller's extras and, with rng, the random genera
                   "rng.python": Generator(random.getstate, random.setstate)}
     if torch.cuda.is_available():
         generators["rng.cuda"] = Generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
-    return {**(extra or {}), **(generators if rng else {})}
+    extras = {**(extra or {}), **(generators if rng else {})}
+    optimizers_by_name = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
+    return optimizers_by_name | {f"extra.{name}": obj for name, obj in extras.items()}
 
 class OptimizerByName:
     """An optimizer's state_dict() and load_state_dict() keyed by parameter name, not by position: each parameter
@@ -345,10 +342,9 @@ class OptimizerByName:
         saved_params = [group["params"] for group in sd["param_groups"]]
         params = [[self.fqns[i] for i in group["params"]] for group in groups]
         if saved_params != params:  # built otherwise: the checkpoint's groups would go to other parameters
-            raise CheckpointError(f"{type(self.optimizer).__name__}'s param groups hold {[len(p) for p in params]} "
-                                  f"parameters, the checkpoint's {[len(p) for p in saved_params]} (first: "
-                                  f"{[p[:1] for p in params]}, saved {[p[:1] for p in saved_params]}): build it as "
-                                  "it was when saved")
+            firsts = {"now": [p[:1] for p in params], "saved": [p[:1] for p in saved_params]}
+            raise CheckpointError(f"{type(self.optimizer).__name__}'s param groups hold other parameters than the "
+                                  f"checkpoint's (the first of each: {firsts}): build it as it was when saved")
         lacking = sorted({option for group in sd["param_groups"] for option in group} - set(groups[0]))
         if lacking:
             raise CheckpointError(f"{type(self.optimizer).__name__} has no option {lacking} of the checkpoint's"
@@ -491,8 +487,7 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
     request = {f"model.{k}": v for k, v in model_sd.items()}
     _match(ckpt_dir, saved, request)
     names = _param_names(model, model_sd)
-    wanted = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
-    wanted.update({f"extra.{name}": obj for name, obj in _extras(extra, rng).items()})
+    wanted = _objects(optimizers, names, extra, rng)
     objects, resized = {}, manifest["world_size"] != _world_size()
     unrestored = [f"{key} (not passed to load())" for key in sorted(set(manifest["objects"]) - set(wanted))
                   if key.startswith("extra.") and (rng or not key.startswith("extra.rng."))]
@@ -506,9 +501,8 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
             unrestored.append(f"{key} (per rank at another world size: left as this process has it)")
             continue
         if entry["per_rank"] and resized:
-            raise CheckpointError(f"{key} differed between ranks when saved at world size {manifest['world_size']}, "
-                                  f"so it cannot go to {_world_size()} ranks: resume at that size, or make its "
-                                  "state_dict() the same on every rank")
+            raise CheckpointError(f"{key} differed between ranks when saved at world size {manifest['world_size']}: "
+                                  "resume at that size, or make its state_dict() the same on every rank")
         skeleton = f"rank.{_rank()}.{key}" if entry["per_rank"] else key
         request[skeleton] = _empty_like(saved[skeleton], None)
         for dtensor_key, fqn in entry["like"].items():
@@ -779,18 +773,19 @@ def _claim(root):
         raise CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
                               "or use another root (load() takes no claim: an evaluation job can read it).") from None
     previous = os.read(owner, 4096).decode(errors="replace")
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(owner, 0)
+    os.pwrite(owner, json.dumps(me).encode(), 0)  # at once: a run refused from now on is told who holds the lock
     steps = _steps(root)
     if steps and root not in _base:  # a run that loaded nothing would start over, moving every step aside
+        os.ftruncate(owner, 0)
         os.close(owner)
         raise CheckpointError(f"{root} holds checkpoints up to {step_dir(root, steps[-1])}, and this run loaded none "
                               "of them: to resume, load() the root before check_root() and save(); to start over, "
                               "use another root (or move its step-* directories away)")
     if previous:
         log.warning("taking over %s from %s: nothing holds its lock, so that run is gone", root, previous)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
-          "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    os.ftruncate(owner, 0)
-    os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the run it refuses
     _locks[root] = owner
     for name in os.listdir(root):  # left by a run that is gone: no other run writes here
         if name.startswith(TMP):

@@ -14,7 +14,6 @@ tests/state_job.py, launched once for the module; each test below asserts on its
 
 import json
 import os
-import socket
 import threading
 import time
 
@@ -34,11 +33,7 @@ JOB = os.path.join(REPO, "tests", "state_job.py")
 
 @pytest.fixture(scope="module", autouse=True)
 def world_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
     yield
     ckpt.close()
     dist.destroy_process_group()
