@@ -267,9 +267,10 @@ def train(args, device, rank, world):
             raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
         say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: "
             "starting from step 0")
-    # Claims the root, after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this run
-    # did not load (a forgotten --resume) fail now, not at the first save.
-    ckpt.check_root(args.ckpt_dir, timeout=args.ckpt_timeout)
+    try:  # after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this run did not load
+        ckpt.check_root(args.ckpt_dir, timeout=args.ckpt_timeout)  # (a forgotten --resume) fail now, not at a save
+    except ckpt.CheckpointError as e:
+        raise SystemExit(f"train_fsdp.py: CheckpointError: {e}") from None  # the message, not a traceback per rank
     if state.step == 0 and args.init_from:
         init_from(model, args.init_from, rank)
         say(f"initialized weights from {args.init_from}")

@@ -816,6 +816,34 @@ def scen_timeout_recovery(root):
     return out
 
 
+def scen_timeout_async(root):
+    """timeout=2 s, rank 1's background write stuck for 4 s: the commit, in the background, fails on both ranks
+    (rank 0 after about 2 s, naming the phase), wait() raises it, and the next save works."""
+    model, opt = make()
+    ckpt.save(root, 1, model, opt, timeout=2)
+    real_write = ckpt.dcp.FileSystemWriter.write_data
+
+    def stuck(self, *a, **k):
+        time.sleep(4)
+        return real_write(self, *a, **k)
+
+    with patched("dcp.FileSystemWriter.write_data", 1, stuck):
+        t0 = time.monotonic()
+        pending = ckpt.save(root, 2, model, opt, async_save=True, timeout=2)
+        blocked = time.monotonic() - t0
+        out = expect_failure(pending.wait)
+    out.update(blocked_secs=round(blocked, 3), committed_after_failure=ckpt.committed_steps(root))
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        out["save_after"] = os.path.basename(ckpt.save(root, 3, model, opt, timeout=2))
+    except BaseException as e:  # noqa: B036
+        out["recover_error"] = f"{type(e).__name__}: {e}"
+    out["recover_secs"] = round(time.monotonic() - t0, 3)
+    out["committed"] = ckpt.committed_steps(root)
+    return out
+
+
 def scen_timeout_first_save(root):
     """The same, when this timeout's group does not exist yet: it is created inside save(), under 1 s."""
     model, opt = make()
@@ -859,7 +887,7 @@ ORDER = [
     "load_user_load_state_dict", "retention_cannot_delete",
     "args_async_save", "args_keep", "args_rng", "args_load_rng",
     "big_step", "interrupted_wait", "save_after_failed_load",
-    "timeout_recovery", "timeout_first_save",
+    "timeout_recovery", "timeout_first_save", "timeout_async",
     "save_stage_async",  # last: a hang here (watchdog) loses no other scenario
 ]
 results = {}

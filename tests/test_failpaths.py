@@ -38,7 +38,7 @@ BOUND = 30  # seconds: every rank must have raised by then, while the checkpoint
 
 
 # Scenarios that mostly wait (timeouts, a known hang): a second job runs them beside the main one.
-WAITING = ["timeout_recovery", "timeout_first_save", "load_hash"]
+WAITING = ["timeout_recovery", "timeout_first_save", "timeout_async", "load_hash"]
 
 
 @pytest.fixture(scope="module")
@@ -537,6 +537,23 @@ def test_timeout_then_next_save_works(jobs):
     print(f"next save: {res[0].get('save_after')} in {res[0]['recover_secs']:.3f} s; committed {res[0]['committed']}")
     for x in res:
         assert x["committed_after_failure"] == [1] and x.get("save_after") == "step-00000003", x
+
+
+def test_async_save_with_a_stuck_rank(jobs):
+    """An async save whose write is stuck on rank 1 (slow storage) past the checkpoint timeout (2 s): the commit,
+    in the background thread, fails on both ranks, rank 0 after one timeout, naming the phase; wait() raises it,
+    nothing is committed, and the next save works. Guards against a background commit that hangs the job, or a
+    timed-out group that breaks every later save."""
+    res = scenario(jobs, "timeout_async")
+    for rank, x in enumerate(res):
+        print(f"rank {rank}: save() blocked {x['blocked_secs']:.3f} s; wait() raised {x['raised']} after "
+              f"{x['secs']:.1f} s: {x['msg'][:200]}; next save: {x.get('save_after')} in {x['recover_secs']:.1f} s")
+    failed_fast(res, "async save with rank 1's write stuck 4 s (timeout 2 s)", bound=4 + 10)
+    assert 2 <= res[0]["secs"] < 4, "rank 0 must give up after one timeout, while rank 1 is still stuck"
+    for x in res:
+        assert "save of step 2" in x["msg"] and x["blocked_secs"] < 2
+        assert x["committed_after_failure"] == [1] and "recover_error" not in x, x.get("recover_error")
+        assert x["save_after"] == "step-00000003" and x["committed"] == [1, 3]
 
 
 def test_timeout_while_making_the_group(jobs):
