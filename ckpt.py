@@ -19,15 +19,14 @@ Save (the code carries the same numbers):
   3. Prepare: rank 0 claims the root (a lock held while the run lives; refused if another run holds it, or if
      the root holds checkpoints this run did not load) and makes .tmp-step-N-<id>; every rank must see it.
   4. Write: dcp.save() writes and fsyncs each rank's files; each rank CRCs its share of them. With async_save,
-     the state is first copied to host memory and steps 4-6 run in a background thread.
+     the state was copied to host memory after step 2, and steps 4-6 run in a background thread.
   5. Commit: rank 0 writes manifest.json (each file's size and CRC), moves aside the steps after the one this run
      continues from, and renames the directory to step-N (an older copy of step N is replaced).
   6. Retain: rank 0 removes all but the newest `keep` steps.
 Load:
-  1. Agree on the arguments.
-  2. Choose: rank 0 picks the highest step-N under the root (or the directory given) and sends its manifest.
-  3. Verify: each rank checks the size and CRC of its share of the files, before anything is read.
-  4. Match DCP's .metadata, unpickled without running code, to the model, the optimizers and the extras.
+  1-2. Agree on the arguments; rank 0 chooses the highest step-N under the root (or the directory given).
+  3-4. Verify: each rank checks the size and CRC of its share of the files, before anything is read. Match DCP's
+     .metadata, unpickled without running code, to the model, the optimizers and the extras.
   5. Read: dcp.load() into the live shards, resharding if the layout changed; each optimizer gets each
      parameter's state by name (Optimizer.load_state_dict); each extra's load_state_dict() gets what it saved.
   6. Verify each parameter's optimizer state: its keys and the step it was saved with.
@@ -36,14 +35,12 @@ Load:
       .owner.json                      locked by the run that writes here; says who it is: host, pid, job
       step-00000100/                   a commit: appears by one rename, once every rank's files are on disk
         manifest.json                  ours: step, world size, each file's size and CRC-32, what each object holds
-        .metadata                      DCP: where each key is stored (a pickle)
-        __0_0.distcp  __1_0.distcp     DCP: each rank's shards, and the values stored once
+        .metadata  __0_0.distcp ...    DCP's: where each key is stored; each rank's shards, the values stored once
       .tmp-step-00000200-1a2b3c4d/     a save in progress, or interrupted: never loaded
       .abandoned-step-00000150-9f8e/   a step given up by a rollback: kept, loaded only if named
-Keys: model.<fqn>; optim.<i>, optimizer i's state_dict() keyed by parameter name, its tensors under
-optim.<i>.state.<fqn>.<name>; extra.<name>, an extra's state (rank.<r>.extra.<name> where it differs between
-ranks), its tensors laid out like a parameter under extra.<name>.<path>. The random generators are the extras
-rng.torch, rng.cuda and rng.python.
+Keys: model.<fqn>; optim.<i>, optimizer i's state_dict() by parameter name, its tensors optim.<i>.state.<fqn>.<name>;
+extra.<name>, an extra's state (rank.<r>.extra.<name> where it differs between ranks), its tensors laid out like a
+parameter extra.<name>.<path>. The random generators are the extras rng.torch, rng.cuda and rng.python.
 """
 
 import collections
@@ -78,7 +75,8 @@ MANIFEST, OWNER, TMP, ABANDONED = "manifest.json", ".owner.json", ".tmp-", ".aba
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 FAILURES = (Exception, dcp.CheckpointException)  # DCP raises any rank's failure as a BaseException
 # What torch.load(weights_only=True) restores, inside dicts, lists and tuples: no code from a checkpoint runs.
-PLAIN = (torch.Tensor, type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
+PLAIN = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, bytes, torch.dtype, torch.device,
+         torch.Size)
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
@@ -105,27 +103,34 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     root, optimizers = os.path.realpath(root), _as_list(optimizer)
     # 1. Collect (user code runs here: the extras' state_dict()).
     state, collect_error = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta)
-    # 2. Agree. DCP stores one copy of each value that is not a DTensor: every rank must hold the same one.
-    stored_once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
-    extra_digests = {name: _digest({name: skeleton}) for name, skeleton in state.extras.items()} if state else {}
+    # 2. Agree. DCP stores one copy of each value that is not a DTensor: every rank must hold the same one, but an
+    # extra whose state differs between ranks is stored per rank. Every rank decides from the same reports.
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
             "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {})}
-    reports = _check_all(collect_error, group, "save()", args, info=(_fingerprints(stored_once), extra_digests))
-    prints = [fingerprints for fingerprints, _ in reports]
+    stored_once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
+    extras_prints = {name: _fingerprints({name: skeleton}) for name, skeleton in state.extras.items()} if state else {}
+    reports = _check_all(collect_error, group, "save()", args, info=(_fingerprints(stored_once), extras_prints))
+    prints = [stored_once for stored_once, _ in reports]  # each rank's {key or path: a digest of the value there}
     differ = sorted(key for key in set().union(*prints) if len({p.get(key) for p in prints}) > 1)
     if differ:
         raise CheckpointError(f"save(): values DCP stores one copy of differ between ranks ({len(differ)}: "
                               f"{', '.join(differ[:10])}): make them equal on every rank (broadcast a buffer)")
-    per_rank = {name for name, digest in extra_digests.items() if any(d.get(name) != digest for _, d in reports)}
+    per_rank = {name for name, prints in extras_prints.items() if any(p.get(name) != prints for _, p in reports)}
     if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
-        per_rank |= {name for name in extra_digests if name.startswith("rng.")}
+        per_rank |= {name for name in state.extras if name.startswith("rng.")}
     base = _base.get(root)
     if base is not None and step < base:
         raise CheckpointError(f"save(): step {step} is before step {base}, which this run loaded or committed in "
                               f"{root}: to go back, load that step first (a rollback)")
     for name, skeleton in state.extras.items():
         state.flat[f"rank.{_rank()}.extra.{name}" if name in per_rank else f"extra.{name}"] = skeleton
-
+    if async_save:  # copied to host memory first: a rank that cannot (out of memory) fails every rank, nothing made
+        if not _stagers:  # kept until close(): from the second async save on, it copies into memory already there
+            options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                     use_async_staging=False, use_non_blocking_copy=False)  # a plain, finished copy
+            _stagers.append(DefaultStager(options))
+        staged = _attempt(_stagers[0].stage, state.flat)
+        _check_all(staged.error, group, "save: copy the state to host memory")
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
     tmp = _rank0(group, f"save: prepare step {step} in {root}", _prepare, root, step)
     _check_shared(group, tmp)
@@ -136,17 +141,9 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
                 "optimizer_state": state.optimizer_state}
     commit = Commit(root, step, tmp, manifest, group, keep, base)
 
-    # 4. Write, 5. commit, 6. retain: here, or in a thread once the state is copied.
+    # 4. Write, 5. commit, 6. retain: here, or in a thread on the copy, while training changes the parameters.
     if not async_save:
         return _write_and_commit(state.flat, commit)
-    if not _stagers:  # kept until close(): from the second async save on, it copies into memory already allocated
-        options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                 use_async_staging=False, use_non_blocking_copy=False)  # a plain, finished copy
-        _stagers.append(DefaultStager(options))
-    # Copied before anything collective starts: a rank that cannot (out of host memory) fails every rank here.
-    staged = _attempt(_stagers[0].stage, state.flat)
-    _check_all(staged.error, group, "save: copy the state to host memory")
-    # From here training may change the parameters: the thread writes the copy, and commits it by itself.
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
     pending = PendingSave(pool.submit(_write_and_commit, staged.value, commit))
     pool.shutdown(wait=False)  # not "with": leaving it would wait for the write
@@ -171,22 +168,17 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
         return None
     # 3. Verify, each rank its share of the files, before anything is read; 4. match the checkpoint to the model,
     # the optimizers and the extras. One round reports either.
-    checked = _attempt(verify_files, ckpt_dir, manifest, _share(manifest["files"]), verify)
-    metadata = _attempt(read_metadata, ckpt_dir)
-    damage = checked.error or "; ".join(checked.value) or metadata.error
-    plan = Outcome(None, None) if damage else _attempt(_plan, ckpt_dir, manifest, metadata.value.state_dict_metadata,
-                                                        model, optimizers, extra, rng)
-    refused = f"refusing to load a damaged checkpoint: {damage}.{_instead(ckpt_dir)}" if damage else plan.error
-    _check_all(refused, group, f"load: verify {ckpt_dir} and match it to the model")
+    plan = _attempt(_plan, ckpt_dir, manifest, verify, model, optimizers, extra, rng)
+    _check_all(plan.error, group, f"load: verify {ckpt_dir} and match it to the model")
     # 5. Read into the live shards and the objects' empty tensors, then hand everything over.
     _half_loaded.add(model)  # until every rank restored it all: a failure leaves it part-loaded
     try:
-        reader = SafeReader(ckpt_dir, metadata.value)
+        reader = SafeReader(ckpt_dir, plan.value.metadata)
         dcp.load(plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except FAILURES as e:  # DCP raises every rank's failure on every rank
         cause = f": {_describe(e)}" if os.path.isdir(ckpt_dir) else ""  # a vanished step: _instead() says so
         raise CheckpointError(f"reading {ckpt_dir} failed{cause}.{_instead(ckpt_dir)}") from e
-    restored = _attempt(_restore, plan.value, model, manifest["optimizer_state"])
+    restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer_state"] if optimizers else {})
     _check_all(restored.error, group, f"load: restore {ckpt_dir}")
     _half_loaded.discard(model)
     # The next save continues from here. A step moved aside is no ancestor of the live ones: they all go aside.
@@ -195,9 +187,8 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     return manifest["step"]
 
 def check_root(root, timeout=DEFAULT_TIMEOUT):
-    """Claim root for this run, after load(), and fail now, on every rank, if it cannot hold this run's
-    checkpoints: a wrong or node-local path, a root another live run writes to, or one holding checkpoints this
-    run did not load (a forgotten resume). Otherwise that surfaces at the first save, losing the training so far."""
+    """Claim root for this run, after load(): a wrong or node-local path, another live run there, or checkpoints
+    there that this run did not load (a forgotten resume) fail now, on every rank, not at the first save."""
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
     _rank0(group, "check_root()", _claim, root, arguments={"root": root})  # rank 0's own root, whatever others got
@@ -209,15 +200,15 @@ def close():
     try:
         wait_pending()
     finally:
-        for group in _groups.values():
-            dist.destroy_process_group(group)
-        for stager in _stagers:
-            stager.close()
-        for owner in _locks.values():
+        for owner in _locks.values():  # first: the root is released whatever fails below
             os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
             os.close(owner)  # releases the lock
-        for registry in (_groups, _stagers, _locks, _base, _half_loaded):  # the next run in this process starts afresh
+        for stager in _stagers:
+            stager.close()
+        for registry in (_stagers, _locks, _base, _half_loaded):  # the next run in this process starts afresh
             registry.clear()
+        while _groups:  # last: it raises if the default group is gone already
+            dist.destroy_process_group(_groups.popitem()[1])
 
 class PendingSave:
     """An async save, written and committed by a background thread on every rank. done(): it is over on this rank
@@ -241,8 +232,8 @@ def wait_pending():  # the save in flight, if any, must be over before the group
 
 # ---- save, step by step ----
 
-# flat: {DCP key: value}; extras: {extra: its state but its DTensors}; like: {object's key: {key of a DTensor in
-# it: the parameter it is laid out like}}; optimizer_state: see _optimizer_summary().
+# flat: {DCP key: value}; extras: {extra's name: its skeleton: its state but the tensors laid out like a parameter};
+# like: {object's key: {key of such a tensor: that parameter}}; optimizer_state: see _optimizer_summary().
 Collected = collections.namedtuple("Collected", "flat extras like optimizer_state")
 
 def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
@@ -264,7 +255,6 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
     skeletons, like = {}, {}
     for key, obj in _objects(optimizers, names, extra, rng).items():
         like[key] = {}
-
         def leaf(path, value):  # path: <key>.<path in its state>
             if not isinstance(value, torch.Tensor):
                 return _restorable(path, value)
@@ -273,14 +263,13 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
             named = [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
             named = [name for name in named if name in alike]
             if not named and not isinstance(value, DTensor):
-                return value  # a plain tensor of no parameter's: stored in the skeleton
+                return _restorable(path, value)  # a plain tensor of no parameter's: stored in the skeleton
             if not alike:
                 raise CheckpointError(f"{path} is a DTensor laid out like no parameter ({value.placements}, shape "
                                       f"{tuple(value.shape)}): load() could not place it; store its full_tensor()")
             flat[path] = value  # under a key of its own, so that DCP saves each rank's shard
             like[key][path] = max(named, key=len) if named else min(alike)
             return None  # its place in the skeleton
-
         skeletons[key] = _walk(obj.state_dict(), leaf, key)
     flat.update({key: skeleton for key, skeleton in skeletons.items() if key.startswith("optim.")})
     extras = {key.removeprefix("extra."): s for key, s in skeletons.items() if key.startswith("extra.")}
@@ -302,8 +291,8 @@ def _walk(value, leaf, path=""):
     return leaf(path, value)
 
 def _restorable(path, value):
-    # The exact types: a subclass (numpy's float64, an IntEnum) would pickle, and then be refused by load().
-    if not (isinstance(value, torch.Tensor) or type(value) in PLAIN):
+    # The exact types: a subclass (numpy's float64, an IntEnum, a tensor subclass) would pickle, then be refused.
+    if type(value) not in PLAIN:
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         raise CheckpointError(f"{path} is a {kind}, which load() cannot restore without running code from the "
                               "checkpoint: convert it in state_dict(), and back in load_state_dict()")
@@ -325,12 +314,14 @@ def _objects(optimizers, names, extra, rng):  # {key: what holds state there}: o
     return optimizers_by_name | {f"extra.{name}": obj for name, obj in extras.items()}
 
 class OptimizerByName:
-    """An optimizer's state_dict() and load_state_dict() keyed by parameter name, not by position: each parameter
-    gets its own state back, whatever the layout or the order of the parameters. Optimizer.state_dict() runs no
-    step, so a save before the first one leaves the optimizer as it was (get_optimizer_state_dict would step it)."""
+    """An optimizer's state_dict() and load_state_dict() keyed by parameter name, not by position. Optimizer's own
+    state_dict() runs no step: a save before the first leaves it as it was (get_optimizer_state_dict would step it)."""
     def __init__(self, optimizer, names):  # names: {parameter: its names in the model's state dict}
         self.optimizer = optimizer
-        self.fqns = [names[p][0] for group in optimizer.param_groups for p in group["params"]]  # by index
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(p not in names for p in params):
+            raise CheckpointError(f"{type(optimizer).__name__} holds parameters that are not the model's")
+        self.fqns = [names[p][0] for p in params]  # by index in state_dict()
 
     def state_dict(self):
         sd = self.optimizer.state_dict()
@@ -338,9 +329,9 @@ class OptimizerByName:
         return {"state": {self.fqns[i]: state for i, state in sd["state"].items()}, "param_groups": groups}
 
     def load_state_dict(self, sd):
-        groups = self.optimizer.state_dict()["param_groups"]  # params: the indices the state is keyed by now
+        groups = self.state_dict()["param_groups"]
         saved_params = [group["params"] for group in sd["param_groups"]]
-        params = [[self.fqns[i] for i in group["params"]] for group in groups]
+        params = [group["params"] for group in groups]
         if saved_params != params:  # built otherwise: the checkpoint's groups would go to other parameters
             firsts = {"now": [p[:1] for p in params], "saved": [p[:1] for p in saved_params]}
             raise CheckpointError(f"{type(self.optimizer).__name__}'s param groups hold other parameters than the "
@@ -350,27 +341,18 @@ class OptimizerByName:
             raise CheckpointError(f"{type(self.optimizer).__name__} has no option {lacking} of the checkpoint's"
                                   + (" (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before "
                                      "load(), as at save())" if "initial_lr" in lacking else ""))
-        index = {fqn: i for i, fqn in enumerate(self.fqns)}
-        self.optimizer.load_state_dict({"state": {index[fqn]: state for fqn, state in sd["state"].items()},
-                                        "param_groups": [dict(saved, params=live["params"])
-                                                         for saved, live in zip(sd["param_groups"], groups)]})
+        self.optimizer.load_state_dict(sd)  # it maps the saved ids (names) onto its parameters in order: equal above
 
 def _fingerprints(values):
-    """{key or path of each leaf of values (a dict): a digest of it}; of a tensor, of its bytes (pickles of equal
-    tensors differ between processes)."""
+    """{key or path of each leaf of values (a dict): its digest}; a tensor's of its bytes (its pickle varies)."""
     found = {}
-
     def leaf(path, x):
         if isinstance(x, torch.Tensor):
             x = (x.dtype, x.shape, x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         found[path] = hashlib.sha256(pickle.dumps(x)).hexdigest()[:16]
-
     for key, value in values.items():
         _walk(value, leaf, key)
     return found
-
-def _digest(values):
-    return hashlib.sha256(json.dumps(sorted(_fingerprints(values).items())).encode()).hexdigest()[:16]
 
 def _prepare(root, step):  # step 3, rank 0
     _claim(root)
@@ -421,10 +403,13 @@ def _commit(c, checksums):  # steps 5-6, rank 0; checksums: each rank's {file: i
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename points at it
     fsync_dir(c.tmp)  # and the directory's entries
-    replaced = _move_aside(c.root, c.base, c.step)
+    _move_aside(c.root, c.base)
+    replaced = _unique(c.root, ABANDONED, c.step) if os.path.isdir(step_dir(c.root, c.step)) else None
+    if replaced:  # this step saved again: its older copy goes aside, right before the new one takes its name
+        os.rename(step_dir(c.root, c.step), replaced)
     os.rename(c.tmp, step_dir(c.root, c.step))  # atomic: the checkpoint appears whole or not at all
-    fsync_dir(c.root)  # without this, a power cut can undo the rename
-    if replaced:  # the older copy of this step: kept aside until the new one was committed
+    fsync_dir(c.root)  # without this, a power cut can undo the renames
+    if replaced:
         shutil.rmtree(replaced, ignore_errors=True)
     for step in _steps(c.root)[: -c.keep] if c.keep else []:  # 6. A failure is logged: the commit stands.
         trash = _unique(c.root, f"{TMP}delete-", step)
@@ -435,21 +420,16 @@ def _commit(c, checksums):  # steps 5-6, rank 0; checksums: each rank's {file: i
             log.warning("retention: could not remove %s: %s", step_dir(c.root, step), e)
     return step_dir(c.root, c.step)
 
-def _move_aside(root, base, step):
-    """Steps after the one this run continues from belong to a branch given up (a rollback). Moved aside, highest
-    first, they keep their data, and the steps under a root stay one history: the highest step is the newest
-    commit. The step saved again (step == base) goes aside too: returns where, for the commit to remove it once
-    the new one is in place (a crash in between leaves it aside, not lost)."""
-    given_up = [s for s in reversed(_steps(root)) if base is not None and (s > base or s == step)]
-    moved = {s: _unique(root, ABANDONED, s) for s in given_up}
-    for s, aside in moved.items():
-        os.rename(step_dir(root, s), aside)
-    if moved:
+def _move_aside(root, base):
+    """Steps after the one this run continues from belong to a branch given up (a rollback): moved aside, highest
+    first, they keep their data, and the steps under a root stay one history, the highest the newest commit."""
+    given_up = [s for s in reversed(_steps(root)) if base is not None and s > base]
+    for step in given_up:
+        aside = _unique(root, ABANDONED, step)
+        os.rename(step_dir(root, step), aside)
+        log.warning("moved aside %s: not on the branch this run continues from (delete it when not needed)", aside)
+    if given_up:
         fsync_dir(root)  # or a power cut brings a given-up step back as the newest
-    if moved.keys() - {base}:
-        log.warning("moved aside %s: not on the branch this run continues from (delete them when no longer needed)",
-                    ", ".join(aside for s, aside in moved.items() if s != base))
-    return moved.get(base)
 
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
@@ -474,11 +454,19 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
     gone = "" if os.path.isdir(ckpt_dir) else f" {ckpt_dir} does not exist (removed by another run's retention?)."
     return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
-# request: what dcp.load() reads into; names: {parameter: its names}; objects: {key: (object, the key its
-# skeleton is read under)}.
-Plan = collections.namedtuple("Plan", "request names objects")
+# metadata: DCP's, read safely; request: what dcp.load() reads into; names: {parameter: its names}; objects: {key:
+# (object, the key its skeleton is read under)}.
+Plan = collections.namedtuple("Plan", "metadata request names objects")
 
-def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
+def _plan(ckpt_dir, manifest, verify, model, optimizers, extra, rng):  # steps 3-4
+    damage = verify_files(ckpt_dir, manifest, _share(manifest["files"]), verify)
+    try:
+        metadata = read_metadata(ckpt_dir)  # every rank reads it; rank 0, whose share it is, verified it
+    except CheckpointError as e:
+        damage.append(str(e))
+    if damage:
+        raise CheckpointError(f"refusing to load a damaged checkpoint: {'; '.join(damage)}.{_instead(ckpt_dir)}")
+    saved = metadata.state_dict_metadata
     types = [type(o).__name__ for o in optimizers]
     if optimizers and manifest["optimizers"] != types:
         raise CheckpointError(f"{ckpt_dir} was saved with optimizers {manifest['optimizers']}, not {types}: pass "
@@ -510,24 +498,23 @@ def _plan(ckpt_dir, manifest, saved, model, optimizers, extra, rng):  # step 4
         objects[key] = (obj, skeleton)
     if unrestored and optimizers and _rank() == 0:  # a resume that leaves state behind (not a weights-only load)
         log.warning("not restored from %s: %s", ckpt_dir, ", ".join(unrestored))
-    return Plan(request, names, objects)
+    return Plan(metadata, request, names, objects)
 
-def _match(ckpt_dir, saved, request):
+def _match(ckpt_dir, saved, live):
     """Refuse, naming the keys, a checkpoint whose model keys, shapes or dtypes are not the live ones."""
-    live = {k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else None for k, v in request.items()}
-    kept = {k: (m.properties.dtype, tuple(m.size)) if hasattr(m, "size") else None
+    live = {k: f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else "no tensor" for k, v in live.items()}
+    kept = {k: f"{m.properties.dtype} {tuple(m.size)}" if hasattr(m, "size") else "no tensor"
             for k, m in saved.items() if k.startswith("model.")}
     found = {"missing from the checkpoint": [k for k in live if k not in kept],
              "not in the model": [k for k in kept if k not in live],
-             "of another dtype or shape": [f"{k}: {kept[k][0]} {kept[k][1]} saved, {live[k][0]} {live[k][1]} here"
+             "of another dtype or shape": [f"{k}: {kept[k]} saved, {live[k]} here"
                                            for k in live if k in kept and kept[k] != live[k]]}
     problems = [f"{len(keys)} key(s) {what}: {keys[:10]}" for what, keys in found.items() if keys]
     if problems:
         raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model: {'; '.join(problems)}")
 
 def _empty_like(saved, param):
-    """What a value is read into: None for a pickled value (SafeLoadPlanner fills it in); a DTensor laid out like
-    param today (resharded if that changed); else a plain tensor (a model that is not sharded, say)."""
+    """What a value is read into: None if pickled; a DTensor laid out like param today (resharded); else a tensor."""
     if not hasattr(saved, "size"):
         return None
     if isinstance(param, DTensor):
@@ -535,18 +522,16 @@ def _empty_like(saved, param):
                                               device_mesh=param.device_mesh, placements=param.placements)
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
 
-def _restore(plan, model, saved_summary):  # steps 5-6, after dcp.load(); user code runs
-    values = plan.request
-    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in values.items() if k.startswith("model.")})
-    for key, (obj, skeleton) in plan.objects.items():  # a leaf whose key a DTensor was read under becomes it
-        obj.load_state_dict(_walk(values[skeleton], lambda path, value: values.get(path, value), key))
-    optimizers = [obj.optimizer for key, (obj, _) in plan.objects.items() if key.startswith("optim.")]
-    if optimizers:
-        summary = _optimizer_summary(optimizers, plan.names)
-        for fqn in sorted(set(summary) | set(saved_summary)):
-            if summary.get(fqn) != saved_summary.get(fqn):
-                raise CheckpointError(f"optimizer state of {fqn} after loading: {summary.get(fqn)} ([keys, step]); "
-                                      f"saved: {saved_summary.get(fqn)}")
+def _restore(plan, model, optimizers, saved_summary):  # steps 5-6, after dcp.load(); user code runs
+    read = plan.request  # dcp.load() filled it
+    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in read.items() if k.startswith("model.")})
+    for key, (obj, skeleton) in plan.objects.items():  # a leaf whose key a tensor was read under becomes it
+        obj.load_state_dict(_walk(read[skeleton], lambda path, value: read.get(path, value), key))
+    summary = _optimizer_summary(optimizers, plan.names)
+    for fqn in sorted(set(summary) | set(saved_summary)):
+        if summary.get(fqn) != saved_summary.get(fqn):
+            raise CheckpointError(f"optimizer state of {fqn} after loading: {summary.get(fqn)} ([keys, step]); "
+                                  f"saved: {saved_summary.get(fqn)}")
 
 def _optimizer_summary(optimizers, names):
     """{parameter name: [its optimizer state's keys, its step]}: saved in the manifest, checked after a load."""
@@ -624,11 +609,10 @@ def read_manifest(ckpt_dir):
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read ({e}): {ckpt_dir} is not a committed checkpoint") from e
-    if not isinstance(manifest, dict) or "files" not in manifest:
-        raise CheckpointError(f"{path} is not a manifest: {ckpt_dir} is not a committed checkpoint")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is of format {manifest.get('format')}; this ckpt.py reads format {FORMAT} "
-                              "(load it with the ckpt.py that saved it)")
+    saved_format = manifest.get("format") if isinstance(manifest, dict) else None
+    if saved_format != FORMAT or "files" not in manifest:
+        raise CheckpointError(f"{path} is not a manifest of format {FORMAT}, the one this ckpt.py reads (format: "
+                              f"{saved_format}): load it with the ckpt.py that saved it")
     return manifest
 
 def fsync_dir(path):  # a rename is durable only once the directory that holds it is flushed
@@ -666,17 +650,16 @@ def read_metadata(ckpt_dir):  # DCP's .metadata, read without running code from 
         raise CheckpointError(f"{path} cannot be read safely: {e}") from e
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, its .metadata read by read_metadata() (metadata: what that returned, if at hand)."""
-    def __init__(self, path, metadata=None):
+    """DCP's file reader, with the .metadata that read_metadata() unpickled without running code from it."""
+    def __init__(self, path, metadata):
         super().__init__(path)
-        self.ckpt_dir, self.known_metadata = str(path), metadata
+        self.safe_metadata = metadata
 
     def read_metadata(self, *args, **kwargs):
-        return self.known_metadata or read_metadata(self.ckpt_dir)
+        return self.safe_metadata
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    """DCP's load planner, unpickling values with torch.load(weights_only=True), plain tensors onto the CPU. Our
-    keys are flat already, and each value lands in the caller's dict under its key, not rebuilt (see _write)."""
+    """DCP's load planner: values unpickled by torch.load(weights_only=True), into the caller's dict by key."""
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
@@ -707,9 +690,8 @@ def _collective(what, fn, *args, **kwargs):  # a timeout or a lost peer becomes 
         return fn(*args, **kwargs)
     except RuntimeError as e:
         _groups.clear()  # a gloo group that timed out is unusable: the next call makes a fresh one
-        raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {_rank()}: not every "
-                              "rank reached it within the checkpoint timeout (called on every rank? did a rank "
-                              f"crash or hang?). Cause: {e}") from e
+        raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {_rank()}: not every rank reached "
+                              f"it within the checkpoint timeout (called on every rank? crashed or hung?): {e}") from e
 
 def _attempt(fn, *args):  # a local step's Outcome, for _check_all() to share
     try:
@@ -743,8 +725,7 @@ def _check_all(error, group, what, args=None, info=None):
     return [rank_info for _, _, rank_info in reports]
 
 def _rank0(group, what, fn, *args, arguments=None):
-    """Rank 0 alone runs fn(*args) (it alone touches the root); every rank returns its result, or raises its error,
-    or that of _check_all(arguments)."""
+    """Rank 0 alone runs fn(*args) (it alone touches the root); every rank returns its result or raises its error."""
     outcome = _attempt(fn, *args) if _rank() == 0 else Outcome(None, None)
     return _check_all(outcome.error, group, what, arguments, info=outcome.value)[0]
 
@@ -754,36 +735,32 @@ def _as_list(optimizer):
 # ---- the root: one live run writes to it ----
 
 def _claim(root):
-    """Rank 0: make this run the only writer of root, or raise naming the run that is. Two runs on one root delete
-    each other's checkpoints: each takes the other's save in progress for a crashed one. The claim is a lock on
-    .owner.json, which the kernel (or the NFS lock manager) releases when the process that holds it is gone: no
-    run id, pid or age is guessed at. It relies on the file system's locks (NFS with locking, Lustre with -o flock)."""
+    """Rank 0: make this run the only writer of root, or raise naming the run that is (two runs on one root delete
+    each other's saves in progress, each taking them for a crashed run's). The claim is a lock on .owner.json, which
+    the kernel (or NFS's lock manager) releases once its process is gone: no run id, pid or age is guessed at."""
     if root in _locks:
         return
     os.makedirs(root, exist_ok=True)
     owner = os.open(os.path.join(root, OWNER), os.O_RDWR | os.O_CREAT, 0o644)
-    try:  # flock: held by this open file, not by the pid; one process of two taking it at once wins
+    try:  # relies on the file system's locks (NFS with locking, Lustre -o flock); one of two takers at once wins
         fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
+        previous = os.read(owner, 4096).decode(errors="replace")
+        steps = _steps(root)
+        if steps and root not in _base:  # a run that loaded nothing would start over, moving every step aside
+            raise CheckpointError(f"{root} holds checkpoints up to {step_dir(root, steps[-1])}, and this run loaded "
+                                  "none of them: load() the root before check_root() and save(), or use another root")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+              "started": datetime.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(owner, 0)
+        os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the runs it refuses
+    except BlockingIOError:
         holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
         os.close(owner)
-        if not isinstance(e, BlockingIOError):  # ENOLCK, ENOSYS: a file system without locks
-            raise CheckpointError(f"cannot lock {os.path.join(root, OWNER)} ({e}): one run per root needs a file "
-                                  "system with locks (NFS with locking, Lustre mounted with -o flock)") from e
         raise CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
                               "or use another root (load() takes no claim: an evaluation job can read it).") from None
-    previous = os.read(owner, 4096).decode(errors="replace")
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
-          "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    os.ftruncate(owner, 0)
-    os.pwrite(owner, json.dumps(me).encode(), 0)  # at once: a run refused from now on is told who holds the lock
-    steps = _steps(root)
-    if steps and root not in _base:  # a run that loaded nothing would start over, moving every step aside
-        os.ftruncate(owner, 0)
-        os.close(owner)
-        raise CheckpointError(f"{root} holds checkpoints up to {step_dir(root, steps[-1])}, and this run loaded none "
-                              "of them: to resume, load() the root before check_root() and save(); to start over, "
-                              "use another root (or move its step-* directories away)")
+    except BaseException:  # ENOLCK on a file system without locks, say: the README lists those it relies on
+        os.close(owner)  # releases the lock, if taken: this run does not hold the root
+        raise
     if previous:
         log.warning("taking over %s from %s: nothing holds its lock, so that run is gone", root, previous)
     _locks[root] = owner

@@ -589,7 +589,7 @@ DAMAGE = {
     "missing_manifest": (lambda c: (c / "manifest.json").unlink(), "manifest.json", "cannot be read"),
     "truncated_manifest": (lambda c: truncate(c / "manifest.json"), "manifest.json", "cannot be read"),
     "manifest_of_other_format": (lambda c: other_format(c / "manifest.json"), "manifest.json",
-                                 "is of format 2; this ckpt.py reads format 4"),
+                                 "is not a manifest of format 4, the one this ckpt.py reads (format: 2)"),
 }
 
 
