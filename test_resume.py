@@ -146,8 +146,8 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
     figures = ", ".join(f"max |d{k}| = {max_abs_diff(reference, log, k):.3e}" for k in measured)
     print(f"\nresumed at 6 and 11: {figures} over {len(log)} steps (compared: {', '.join(keys)})")
     for s in range(1, STEPS + 1):
-        hint = ("; the first step after a resume: is the data position restored, and does anything draw from "
-                "the global RNG between load() and that step (iter(DataLoader) does: give it a generator)?"
+        hint = ("; the first step after a resume: is every object this value depends on in extra (an EMA, the data "
+                "position), and does anything draw from the global RNG between load() and that step?"
                 if s in (7, 12) else "")
         for k in keys:
             only = "the resumed run" if k in log[s] else "the uninterrupted run"
