@@ -94,10 +94,9 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
          timeout=DEFAULT_TIMEOUT):
     """Write a checkpoint of `step` under root; return its path once committed (async_save: a PendingSave).
 
-    optimizer: one, a list, or None (the model alone). extra: {name: object with state_dict() and
-    load_state_dict()}. keep: how many steps to keep (None: all). meta: JSON stored in the manifest.
-    A step this run committed or loaded is replaced by the state given now; an older one is refused.
-    """
+    optimizer: one, a list, or None (the model alone). extra: {name: object with state_dict() and load_state_dict()}.
+    keep: how many steps to keep (None: all). meta: JSON for the manifest. A step this run committed or loaded is
+    replaced by the state given now; an older one is refused."""
     wait_pending()  # one save in flight at a time: two would race for the root
     group, world = checkpoint_group(timeout), _world_size()
     root, optimizers = os.path.realpath(root), _as_list(optimizer)
@@ -154,9 +153,7 @@ def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, time
     """Restore the highest step under path, or the checkpoint at path; return its step (None if there is none).
 
     optimizer: as in save(), or None for the weights (and the extras given) alone. verify=False skips the CRCs.
-    Loading claims nothing: an evaluation job can read a root while training writes it. Loading an older step is
-    a rollback: the next save() continues from it.
-    """
+    Loading claims nothing (an evaluation job reads a root training writes); an older step is a rollback."""
     wait_pending()  # a background save uses the same group
     group, path, optimizers = checkpoint_group(timeout), os.path.realpath(path), _as_list(optimizer)
     # 1. Agree on the arguments (a rank in save() and another in load() meet here, not in a hang), and 2. rank 0
@@ -367,7 +364,6 @@ def _check_shared(group, path):
     unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage shared by every rank"
     _check_all(unseen, group, "shared storage check")
 
-# What steps 4-6 need; base: the step this run continues from (see _move_aside).
 Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base")
 
 def _write_and_commit(state, c):  # steps 4-6 on every rank; in a background thread for an async save
@@ -384,8 +380,7 @@ def _write_and_commit(state, c):  # steps 4-6 on every rank; in a background thr
     return path
 
 def _write(state, tmp, group):
-    """Step 4: DCP writes this rank's files. When it returns, every rank's files and .metadata are written, and
-    this rank CRCs its share of them, from the page cache, rather than inside DCP's stream."""
+    """Step 4: DCP writes every rank's files; then this rank CRCs its share from the page cache (not DCP's stream)."""
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
     # Our keys are flat already, and an object's skeleton is one value: DCP must not rebuild it (flattening would
     # turn its keys into str and drop its empty dicts). load() asks for these keys.
@@ -493,8 +488,11 @@ def _plan(ckpt_dir, manifest, verify, model, optimizers, extra, rng):  # steps 3
                                   "resume at that size, or make its state_dict() the same on every rank")
         skeleton = f"rank.{_rank()}.{key}" if entry["per_rank"] else key
         request[skeleton] = _empty_like(saved[skeleton], None)
-        for dtensor_key, fqn in entry["like"].items():
-            request[dtensor_key] = _empty_like(saved[dtensor_key], model_sd.get(fqn))
+        live = {}  # an optimizer's present tensors: read into in place, as plain DCP does (no second copy)
+        if isinstance(obj, OptimizerByName):
+            _walk(obj.state_dict(), lambda path, value: live.setdefault(path, value), key)
+        for tensor_key, fqn in entry["like"].items():
+            request[tensor_key] = _empty_like(saved[tensor_key], model_sd.get(fqn), live.get(tensor_key))
         objects[key] = (obj, skeleton)
     if unrestored and optimizers and _rank() == 0:  # a resume that leaves state behind (not a weights-only load)
         log.warning("not restored from %s: %s", ckpt_dir, ", ".join(unrestored))
@@ -513,20 +511,22 @@ def _match(ckpt_dir, saved, live):
     if problems:
         raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model: {'; '.join(problems)}")
 
-def _empty_like(saved, param):
-    """What a value is read into: None if pickled; a DTensor laid out like param today (resharded); else a tensor."""
+def _empty_like(saved, param, live=None):
+    """What a value is read into: None if pickled; live if laid out like param already; else one laid out so."""
     if not hasattr(saved, "size"):
         return None
+    if isinstance(live, torch.Tensor) and _layout(live) == _layout(param) and live.dtype == saved.properties.dtype:
+        return live
     if isinstance(param, DTensor):
         return torch.distributed.tensor.empty(saved.size, dtype=saved.properties.dtype,
                                               device_mesh=param.device_mesh, placements=param.placements)
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
 
 def _restore(plan, model, optimizers, saved_summary):  # steps 5-6, after dcp.load(); user code runs
-    read = plan.request  # dcp.load() filled it
-    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in read.items() if k.startswith("model.")})
+    model_sd = {k.removeprefix("model."): v for k, v in plan.request.items() if k.startswith("model.")}
+    set_model_state_dict(model, model_sd)
     for key, (obj, skeleton) in plan.objects.items():  # a leaf whose key a tensor was read under becomes it
-        obj.load_state_dict(_walk(read[skeleton], lambda path, value: read.get(path, value), key))
+        obj.load_state_dict(_walk(plan.request[skeleton], lambda path, value: plan.request.get(path, value), key))
     summary = _optimizer_summary(optimizers, plan.names)
     for fqn in sorted(set(summary) | set(saved_summary)):
         if summary.get(fqn) != saved_summary.get(fqn):
@@ -585,7 +585,7 @@ def _share(names):
 def _crc32(path):  # catches corruption and truncation, not forgery (the manifest is not signed)
     crc = 0
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):  # 1 MiB: adds little to the peak memory
+        for block in iter(lambda: f.read(1 << 18), b""):  # 256 KiB: adds little to the peak memory
             crc = zlib.crc32(block, crc)  # releases the GIL: training goes on in another thread
     return f"{crc:08x}"
 
