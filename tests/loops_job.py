@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import ckpt  # noqa: E402
+from tests import state_job  # noqa: E402
 
 SCENARIO_LIMIT = 40
 STEPS, EVERY = 4, 2  # the loop: `if step % EVERY == 0: save` at the top of each of STEPS iterations
@@ -326,17 +327,7 @@ def scen_plain_at_two(work, plain_dir):
     return res
 
 
-class Box:
-    """An extra whose state is whatever the loop puts in it (a data position)."""
-
-    def __init__(self, state=None):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, sd):
-        self.state = sd
+Box = state_job.Box  # an extra whose state is whatever the loop puts in it (a data position)
 
 
 # ---------------------------------------------------------------------- plain processes (no process group)
