@@ -22,8 +22,6 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
-import traceback  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -412,36 +410,11 @@ def ranks(work, plain_dir):
                  "refusals": lambda: scen_refusals(os.path.join(work, "refusals")),
                  "plain_at_two": lambda: scen_plain_at_two(work, plain_dir)}
 
-    def report():
-        print("RESULT " + json.dumps(results, default=str), flush=True)
-
-    def hung(name):
-        if rank() == 0:
-            results["hung"] = name
-            report()
-        print(f"rank {rank()}: scenario {name} still running after {SCENARIO_LIMIT} s: giving up", flush=True)
-        os._exit(3)
-
     try:
-        for name, fn in scenarios.items():
-            timer = threading.Timer(SCENARIO_LIMIT, hung, (name,))
-            timer.start()
-            t0 = time.monotonic()
-            try:
-                mine = fn()
-            except BaseException as e:  # noqa: B036  (recorded: the test names the scenario)
-                mine = {"unexpected": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-            mine["secs"] = round(time.monotonic() - t0, 2)
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
-            timer.cancel()
-            results[name] = every
-        results["done"] = True
-        if rank() == 0:
-            report()
+        state_job.run_scenarios(scenarios, results)
     finally:
         ckpt.close()
-        gc.collect()  # README "A clean exit"
+        gc.collect()  # the README's teardown (Supported setups)
         dist.destroy_process_group()
 
 

@@ -33,7 +33,6 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
 import ckpt  # noqa: E402
-from tests import harness  # noqa: E402
 
 SCENARIO_LIMIT = 40
 N = 3  # steps trained before the save, and continued after it
@@ -431,13 +430,9 @@ ORDER = ["multi_opt", "lazy_ema", "optimizer_extra", "mixed_extra", "unplaceable
          "summary_mismatch", "same_and_older_step"]
 
 
-def main():
-    work, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    os.makedirs(out, exist_ok=True)
-    logging.getLogger("ckpt").setLevel(logging.INFO)
-    results = {"timing": {"import_s": round(time.time() - STARTED, 2)}}
-
+def run_scenarios(scenarios, results):
+    """Run each scenario (name: a function) on every rank, gather every rank's figures into results[name], and print
+    results as one RESULT line from rank 0. A scenario still running after SCENARIO_LIMIT s ends the job (exit 3)."""
     def report():
         print("RESULT " + json.dumps(results, default=str), flush=True)
 
@@ -448,27 +443,37 @@ def main():
         print(f"rank {rank()}: scenario {name} still running after {SCENARIO_LIMIT} s: giving up", flush=True)
         os._exit(3)
 
+    for name, fn in scenarios.items():
+        timer = threading.Timer(SCENARIO_LIMIT, hung, (name,))
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            mine = fn()
+        except BaseException as e:  # noqa: B036  (recorded; the test names the scenario)
+            mine = {"unexpected": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        mine["secs"] = round(time.monotonic() - t0, 2)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        timer.cancel()
+        results[name] = every
+    results["timing"]["scenarios_s"] = round(time.time() - STARTED - results["timing"]["import_s"], 2)
+    results["done"] = True
+    if rank() == 0:
+        report()
+
+
+def main():
+    work, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    os.makedirs(out, exist_ok=True)
+    logging.getLogger("ckpt").setLevel(logging.INFO)
+    results = {"timing": {"import_s": round(time.time() - STARTED, 2)}}
+    scenarios = {name: lambda name=name: globals()[f"scen_{name}"](os.path.join(work, name), out) for name in ORDER}
     try:
-        for name in ORDER:
-            timer = threading.Timer(SCENARIO_LIMIT, hung, (name,))
-            timer.start()
-            t0 = time.monotonic()
-            try:
-                mine = globals()[f"scen_{name}"](os.path.join(work, name), out)
-            except BaseException as e:  # noqa: B036  (recorded; the test names the scenario)
-                mine = {"unexpected": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-            mine["secs"] = round(time.monotonic() - t0, 2)
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
-            timer.cancel()
-            results[name] = every
-        results["timing"]["scenarios_s"] = round(time.time() - STARTED - results["timing"]["import_s"], 2)
-        results["done"] = True
-        if rank() == 0:
-            report()
+        run_scenarios(scenarios, results)
     finally:
         ckpt.close()
-        gc.collect()  # the teardown of README "A clean exit"
+        gc.collect()  # the README's teardown (Supported setups)
         dist.destroy_process_group()
 
 
