@@ -109,12 +109,12 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     stored_once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
     extras_prints = {name: _fingerprints({name: skeleton}) for name, skeleton in state.extras.items()} if state else {}
     reports = _check_all(collect_error, group, "save()", args, info=(_fingerprints(stored_once), extras_prints))
-    prints = [stored_once for stored_once, _ in reports]  # each rank's {key or path: a digest of the value there}
-    differ = sorted(key for key in set().union(*prints) if len({p.get(key) for p in prints}) > 1)
+    once = [prints for prints, _ in reports]  # each rank's {key or path of a value stored once: its digest}
+    differ = sorted(key for key in set().union(*once) if len({prints.get(key) for prints in once}) > 1)
     if differ:
         raise CheckpointError(f"save(): values DCP stores one copy of differ between ranks ({len(differ)}: "
                               f"{', '.join(differ[:10])}): make them equal on every rank (broadcast a buffer)")
-    per_rank = {name for name, prints in extras_prints.items() if any(p.get(name) != prints for _, p in reports)}
+    per_rank = {name for name, mine in extras_prints.items() if any(theirs.get(name) != mine for _, theirs in reports)}
     if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
         per_rank |= {name for name in state.extras if name.startswith("rng.")}
     base = _base.get(root)
