@@ -381,6 +381,7 @@ def test_step_removed_while_loading(jobs):
         failed_fast([x[where] for x in res], f"step removed {where}")
         for x in res:
             assert f"{gone} does not exist" in x[where]["msg"]
+            assert "\n" not in x[where]["msg"] and "Traceback" not in x[where]["msg"], "one line, not DCP's traceback"
             assert f"The newest other commit is {newest}: pass it to load it" in x[where]["msg"]
         assert res[0][where]["msg"] == res[1][where]["msg"]
     print(f"root at the end: {r['listing']}; load again -> {r['again_step']} (the weights saved as step 2: "

@@ -282,6 +282,30 @@ def test_weights_only_load_and_optimizer_mismatch(tmp_path):
     assert "(to load the weights alone, pass optimizer=None)" in str(without.value)
 
 
+def test_load_says_what_it_found(tmp_path, caplog):
+    """A root holding only an interrupted save loads nothing and says so (the .tmp- directory named, never loaded); a
+    weights-only load warns about nothing it was not asked to restore; a full load names the extras left behind.
+    Guards against a lost save that looks like a fresh root, and a warning that every evaluation poll repeats."""
+    model, opt = make()
+    train(model, opt, 1)
+    os.makedirs(tmp_path / "interrupted" / ".tmp-step-00000005-0123abcd")
+    with caplog.at_level("WARNING", logger="ckpt"):
+        found = ckpt.load(str(tmp_path / "interrupted"), model, opt)
+        said = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        path = ckpt.save(str(tmp_path / "root"), 1, model, opt, {"sched": Box({"lr": 1})})
+        ckpt.load(path, make(1)[0])
+        weights_only = [r.getMessage() for r in caplog.records]
+        fresh, fresh_opt = make(1)
+        ckpt.load(path, fresh, fresh_opt)
+        full = [r.getMessage() for r in caplog.records]
+    print(f"\nroot with an interrupted save only: load -> {found}; said {said}\nweights-only load warned: "
+          f"{weights_only}\nfull load without the extra: {full}")
+    assert found is None and len(said) == 1 and ".tmp-step-00000005-0123abcd is an interrupted save" in said[0]
+    assert weights_only == []
+    assert len(full) == 1 and "extra.sched (not passed to load())" in full[0]
+
+
 def test_misuse_is_named_with_its_fix(tmp_path):
     """Two mistakes a new user makes, each refused with a message that says what to do: an LR scheduler built
     after load() (the optimizer lacks the 'initial_lr' the checkpoint has), and a plain dict as an extra (nothing
