@@ -107,14 +107,14 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
             "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {})}
     stored_once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
-    extras_prints = {name: _fingerprints({name: skeleton}) for name, skeleton in state.extras.items()} if state else {}
-    reports = _check_all(collect_error, group, "save()", args, info=(_fingerprints(stored_once), extras_prints))
+    extras_digest = {name: _digest({name: skeleton}) for name, skeleton in state.extras.items()} if state else {}
+    reports = _check_all(collect_error, group, "save()", args, info=(_fingerprints(stored_once), extras_digest))
     once = [prints for prints, _ in reports]  # each rank's {key or path of a value stored once: its digest}
     differ = sorted(key for key in set().union(*once) if len({prints.get(key) for prints in once}) > 1)
     if differ:
         raise CheckpointError(f"save(): values DCP stores one copy of differ between ranks ({len(differ)}: "
                               f"{', '.join(differ[:10])}): make them equal on every rank (broadcast a buffer)")
-    per_rank = {name for name, mine in extras_prints.items() if any(theirs.get(name) != mine for _, theirs in reports)}
+    per_rank = {name for name, mine in extras_digest.items() if any(theirs.get(name) != mine for _, theirs in reports)}
     if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
         per_rank |= {name for name in state.extras if name.startswith("rng.")}
     base = _base.get(root)
@@ -276,8 +276,7 @@ def _layout(t):  # what a tensor laid out like a parameter shares with it
     return (t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else t.shape
 
 def _walk(value, leaf, path=""):
-    """value rebuilt with leaf(path, x) in place of each leaf x of its dicts, lists and tuples; a dict key that
-    load() could not restore is refused."""
+    """value, with leaf(path, x) for each leaf x of its dicts, lists and tuples; refuses keys load() cannot restore."""
     if isinstance(value, dict):
         for key in value:
             _restorable(f"{path}: the key {key!r}", key)
@@ -350,6 +349,9 @@ def _fingerprints(values):
     for key, value in values.items():
         _walk(value, leaf, key)
     return found
+
+def _digest(values):  # one digest of all the fingerprints: little to gather where no leaf need be named
+    return hashlib.sha256(repr(sorted(_fingerprints(values).items())).encode()).hexdigest()[:16]
 
 def _prepare(root, step):  # step 3, rank 0
     _claim(root)
@@ -449,8 +451,7 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
     gone = "" if os.path.isdir(ckpt_dir) else f" {ckpt_dir} does not exist (removed by another run's retention?)."
     return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
-# metadata: DCP's, read safely; request: what dcp.load() reads into; names: {parameter: its names}; objects: {key:
-# (object, the key its skeleton is read under)}.
+# request: what dcp.load() reads into; objects: {key: (object, the key its skeleton is read under)}.
 Plan = collections.namedtuple("Plan", "metadata request names objects")
 
 def _plan(ckpt_dir, manifest, verify, model, optimizers, extra, rng):  # steps 3-4
@@ -577,8 +578,7 @@ def find_checkpoint(path):
     return step_dir(path, steps[-1]) if steps else None
 
 def _share(names):
-    """The files this rank checks: by the number in their names modulo the world size (DCP names rank r's file
-    __r_0.distcp; .metadata goes to rank 0). At the same world size a rank checks the file it wrote."""
+    """The files this rank checks: the first number in their names modulo the world size (__r_0.distcp: rank r's)."""
     numbers = {name: int((re.findall(r"\d+", name) or [0])[0]) for name in names}
     return sorted(name for name, n in numbers.items() if n % _world_size() == _rank())
 
