@@ -2,49 +2,59 @@
 
     extra = {"scheduler": scheduler, "data": position}   # anything with state_dict() and load_state_dict()
     step = ckpt.load("checkpoints", model, optimizer, extra) or 0   # resume: the newest commit, None if none
-    ckpt.check_root("checkpoints")                       # claims the root for this run: a wrong path fails now
+    ckpt.check_root("checkpoints", model)                # claims the root for this run: a wrong path fails now
     ckpt.save("checkpoints", step, model, optimizer, extra, keep=3)
     ckpt.close()                                         # before dist.destroy_process_group()
 
-save(), load(), check_root() and close() are collective: call them on every rank with the same arguments. Each
-rank writes and reads its own shards. A failure on any rank is raised on every rank as CheckpointError. Without a
-process group (a plain Python process) they work as a world of one.
+save(), load(), check_root() and close() are collective: call them on every rank. What names the checkpoint (root,
+step, keep, meta) must be the same on every rank; the model, optimizers and extras are each rank's own (pipeline
+stages hold different ones). A failure on any rank is raised on every rank as CheckpointError. Without a process
+group (a plain Python process) they work as a world of one. The rules, each checked, none inferred:
+  - A key's value must agree among the ranks that hold it. DCP stores a DTensor's shards; any other value once.
+  - Per rank: an extra that is a DataLoader or a Sampler, or wrapped as PerRank(obj), and the random generators.
+    At another world size such an extra is refused by name; generators stay as this process seeded them.
+  - A tensor of an optimizer or extra whose key names a parameter (exp_avg of <fqn>, shadow.<fqn>) and is laid
+    out like it is stored under that key, and comes back laid out like that parameter today: it reshards with it.
+  - A model's run continues from the step it was loaded from, or last committed; a save moves later steps aside.
 
 Save (the code carries the same numbers):
-  1. Collect the model's state (get_model_state_dict), each optimizer's state_dict() keyed by parameter name, and
-     each extra's state_dict(): their tensors laid out like a parameter under keys of their own, the rest as one
-     value. Nothing runs an optimizer step. Refuse what load() could not restore.
-  2. Agree: no rank failed, all got the same arguments and hold the same values where DCP stores one copy (all
-     but DTensors), else refuse naming them. An extra whose state differs between ranks is stored per rank.
-  3. Prepare: rank 0 claims the root (a lock held while the run lives; refused if another run holds it, or if
-     the root holds checkpoints this run did not load) and makes .tmp-step-N-<id>; every rank must see it.
-  4. Write: dcp.save() writes and fsyncs each rank's files; each rank CRCs its share of them. With async_save,
-     the state was copied to host memory after step 2, and steps 4-6 run in a background thread.
+  1. Collect the model's state (get_model_state_dict), each optimizer's state_dict() keyed by parameter name, one
+     value per param group, and each extra's state_dict(). Nothing runs an optimizer step. Refuse what load()
+     could not restore, and a step before the one this model continues from.
+  2. Agree: one all-reduce tells every rank that no rank failed and that all name the same checkpoint.
+  3. Prepare: rank 0 claims the root (a lock held while the run lives; refused if another run holds it, or if the
+     root holds checkpoints this model was not loaded from) and makes .tmp-step-N-<id>; every rank must see it.
+  4. Write: dcp.save() writes and fsyncs each rank's files; its plan carries a digest of each value stored once,
+     and the coordinator refuses a key whose ranks disagree. Each rank CRCs its share of the files. With
+     async_save, the state was copied to host memory after step 2, and steps 4-6 run in a background thread.
   5. Commit: rank 0 writes manifest.json (each file's size and CRC), moves aside the steps after the one this run
      continues from, and renames the directory to step-N (an older copy of step N is replaced).
   6. Retain: rank 0 removes all but the newest `keep` steps.
 Load:
   1-2. Agree on the arguments; rank 0 chooses the highest step-N under the root (or the directory given).
   3-4. Verify: each rank checks the size and CRC of its share of the files, before anything is read. Match DCP's
-     .metadata, unpickled without running code, to the model, the optimizers and the extras.
-  5. Read: dcp.load() into the live shards, resharding if the layout changed; each optimizer gets each
-     parameter's state by name (Optimizer.load_state_dict); each extra's load_state_dict() gets what it saved.
+     .metadata, unpickled without running code, to this rank's model, optimizers and extras; every model key of
+     the checkpoint must be some rank's.
+  5. Read: dcp.load() into the live shards, resharding if the layout changed; each optimizer gets its groups and
+     each parameter's state by name (Optimizer.load_state_dict); each extra's load_state_dict() gets what it saved.
   6. Verify each parameter's optimizer state: its keys and the step it was saved with.
 
     root/
       .owner.json                      locked by the run that writes here; says who it is: host, pid, job
       step-00000100/                   a commit: appears by one rename, once every rank's files are on disk
-        manifest.json                  ours: step, world size, each file's size and CRC-32, what each object holds
+        manifest.json                  ours: step, world size, each file's size and CRC-32, meta
         .metadata  __0_0.distcp ...    DCP's: where each key is stored; each rank's shards, the values stored once
       .tmp-step-00000200-1a2b3c4d/     a save in progress, or interrupted: never loaded
+      .replaced-step-00000100-5e6f/    the older copy of a step saved again, for the moment between two renames
       .abandoned-step-00000150-9f8e/   a step given up by a rollback: kept, loaded only if named
-Keys: model.<fqn>; optim.<i>, optimizer i's state_dict() by parameter name, its tensors optim.<i>.state.<fqn>.<name>;
-extra.<name>, an extra's state (rank.<r>.extra.<name> where it differs between ranks), its tensors laid out like a
-parameter extra.<name>.<path>. The random generators are the extras rng.torch, rng.cuda and rng.python.
+Keys: model.<fqn>; optim.<i>.group.<first parameter's fqn>, a param group of optimizer i: its options, parameter
+names and their state but the tensors, which are optim.<i>.state.<fqn>.<name>; extra.<name>, an extra's state, its
+tensors laid out like a parameter extra.<name>.<path>; rank.<r>.extra.<name>, per rank. Generators: extra.rng.*.
 """
 
 import collections
 import concurrent.futures
+import dataclasses
 import datetime
 import fcntl
 import hashlib
@@ -57,6 +67,7 @@ import re
 import shutil
 import socket
 import uuid
+import warnings
 import weakref
 import zlib
 
@@ -64,30 +75,44 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor
+import torch.utils.data
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("ckpt")
-FORMAT = 4  # of manifest.json and of the keys
+FORMAT = 5  # of manifest.json and of the keys
 DEFAULT_TIMEOUT = datetime.timedelta(hours=1)  # of checkpoint collectives; training keeps its own, shorter one
-MANIFEST, OWNER, TMP, ABANDONED = "manifest.json", ".owner.json", ".tmp-", ".abandoned-"
+MANIFEST, OWNER, TMP, REPLACED, ABANDONED = "manifest.json", ".owner.json", ".tmp-", ".replaced-", ".abandoned-"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
+REPLACED_RE = re.compile(r"^\.replaced-step-(\d{8,})-[0-9a-f]+$")
 FAILURES = (Exception, dcp.CheckpointException)  # DCP raises any rank's failure as a BaseException
 # What torch.load(weights_only=True) restores, inside dicts, lists and tuples: no code from a checkpoint runs.
 PLAIN = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, bytes, torch.dtype, torch.device,
          torch.Size)
+DATA_ORDER = (torch.utils.data.DataLoader, torch.utils.data.Sampler)  # their position is within this rank's shard
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
+
+class PerRank:
+    """An extra whose state is this rank's alone (a data iterator): stored per rank, restored at the same world size
+    only, refused by name at another. A DataLoader or a Sampler is per rank without it."""
+    def __init__(self, obj):
+        self.obj = obj
+
+    def state_dict(self):
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd):
+        self.obj.load_state_dict(sd)
 
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
 Generator = collections.namedtuple("Generator", "state_dict load_state_dict")  # a random generator, as an extra
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
 _locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0)
-_base = {}  # root -> the step this run continues from there (loaded or last committed)
+_origins = weakref.WeakKeyDictionary()  # module -> (root, step) its run continues from; step None: half loaded
 _in_flight = []  # the async save being written, at most one
-_half_loaded = weakref.WeakSet()  # models a load failed to finish writing into: save() refuses them until a load does
 _stagers = []  # the async saves' host buffers, kept until close()
 
 def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
@@ -95,50 +120,30 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     """Write a checkpoint of `step` under root; return its path once committed (async_save: a PendingSave).
 
     optimizer: one, a list, or None (the model alone). extra: {name: object with state_dict() and load_state_dict()}.
-    keep: how many steps to keep (None: all). meta: JSON for the manifest. A step this run committed or loaded is
-    replaced by the state given now; an older one is refused."""
+    keep: how many steps to keep (None: all). meta: JSON for the manifest. A step this model committed or was
+    loaded from is replaced by the state given now; an older one is refused."""
     wait_pending()  # one save in flight at a time: two would race for the root
-    group, world = checkpoint_group(timeout), _world_size()
-    root, optimizers = os.path.realpath(root), _as_list(optimizer)
+    group, root, optimizers = checkpoint_group(timeout), os.path.realpath(root), _as_list(optimizer)
     # 1. Collect (user code runs here: the extras' state_dict()).
-    state, collect_error = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta)
-    # 2. Agree. DCP stores one copy of each value that is not a DTensor: every rank must hold the same one, but an
-    # extra whose state differs between ranks is stored per rank. Every rank decides from the same reports.
+    collected = _attempt(_collect, root, step, keep, model, optimizers, extra, rng, meta)
+    # 2. Agree: rank 0 is about to touch the root, for a checkpoint every rank names alike.
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
-            "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {})}
-    stored_once = {k: v for k, v in state.flat.items() if not isinstance(v, DTensor)} if state and world > 1 else {}
-    extras_digest = {name: _digest({name: skeleton}) for name, skeleton in state.extras.items()} if state else {}
-    reports = _check_all(collect_error, group, "save()", args, info=(_fingerprints(stored_once), extras_digest))
-    once = [prints for prints, _ in reports]  # each rank's {key or path of a value stored once: its digest}
-    differ = sorted(key for key in set().union(*once) if len({prints.get(key) for prints in once}) > 1)
-    if differ:
-        raise CheckpointError(f"save(): values DCP stores one copy of differ between ranks ({len(differ)}: "
-                              f"{', '.join(differ[:10])}): make them equal on every rank (broadcast a buffer)")
-    per_rank = {name for name, mine in extras_digest.items() if any(theirs.get(name) != mine for _, theirs in reports)}
-    if world == 1:  # one rank cannot tell a generator seeded per rank from one seeded alike: kept per rank
-        per_rank |= {name for name in state.extras if name.startswith("rng.")}
-    base = _base.get(root)
-    if base is not None and step < base:
-        raise CheckpointError(f"save(): step {step} is before step {base}, which this run loaded or committed in "
-                              f"{root}: to go back, load that step first (a rollback)")
-    for name, skeleton in state.extras.items():
-        state.flat[f"rank.{_rank()}.extra.{name}" if name in per_rank else f"extra.{name}"] = skeleton
+            "optimizers": [type(o).__name__ for o in optimizers]}
+    _vote(group, "save()", collected.error, args)
+    state = collected.value
     if async_save:  # copied to host memory first: a rank that cannot (out of memory) fails every rank, nothing made
         if not _stagers:  # kept until close(): from the second async save on, it copies into memory already there
             options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                      use_async_staging=False, use_non_blocking_copy=False)  # a plain, finished copy
             _stagers.append(DefaultStager(options))
         staged = _attempt(_stagers[0].stage, state.flat)
-        _check_all(staged.error, group, "save: copy the state to host memory")
+        _vote(group, "save: copy the state to host memory", staged.error)
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
-    tmp = _rank0(group, f"save: prepare step {step} in {root}", _prepare, root, step)
+    tmp = _rank0(group, f"save: prepare step {step} in {root}", _prepare, root, step, state.base)
     _check_shared(group, tmp)
-    objects = {key: {"per_rank": key.removeprefix("extra.") in per_rank, "like": like}
-               for key, like in state.like.items()}
-    manifest = {"format": FORMAT, "step": step, "world_size": world, "torch_version": torch.__version__,
-                "meta": meta or {}, "objects": objects, "optimizers": args["optimizers"],
-                "optimizer_state": state.optimizer_state}
-    commit = Commit(root, step, tmp, manifest, group, keep, base)
+    manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "torch_version": torch.__version__,
+                "meta": meta or {}, "optimizers": args["optimizers"]}
+    commit = Commit(root, step, tmp, manifest, group, keep, state.base, model, state.digests)
 
     # 4. Write, 5. commit, 6. retain: here, or in a thread on the copy, while training changes the parameters.
     if not async_save:
@@ -149,46 +154,49 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     _in_flight.append(pending)
     return pending
 
-def load(path, model, optimizer=None, extra=None, *, rng=True, verify=True, timeout=DEFAULT_TIMEOUT):
+def load(path, model, optimizer=None, extra=None, *, verify=True, timeout=DEFAULT_TIMEOUT):
     """Restore the highest step under path, or the checkpoint at path; return its step (None if there is none).
 
-    optimizer: as in save(), or None for the weights (and the extras given) alone. verify=False skips the CRCs.
-    Loading claims nothing (an evaluation job reads a root training writes); an older step is a rollback."""
+    optimizer: as in save(); with one, a resume, the random generators are restored too. Without (None), the
+    weights and the extras given alone. verify=False skips the CRCs. Loading claims nothing (an evaluation job
+    reads a root training writes); the model's run continues from the step loaded (an older one: a rollback)."""
     wait_pending()  # a background save uses the same group
     group, path, optimizers = checkpoint_group(timeout), os.path.realpath(path), _as_list(optimizer)
     # 1. Agree on the arguments (a rank in save() and another in load() meet here, not in a hang), and 2. rank 0
-    # alone chooses, in the same round, so that every rank loads the same checkpoint (choosing only reads).
-    args = {"path": path, "optimizers": [type(o).__name__ for o in optimizers], "extra": sorted(extra or {}),
-            "rng": rng, "verify": verify}
-    ckpt_dir, manifest = _rank0(group, "load()", _choose, path, arguments=args)
+    # alone chooses, so that every rank loads the same checkpoint.
+    _vote(group, "load()", None, {"path": path, "verify": verify})
+    ckpt_dir = _rank0(group, "load(): choose the checkpoint", find_checkpoint, path)
     if ckpt_dir is None:
+        _say_why_none(path)
         return None
-    # 3. Verify, each rank its share of the files, before anything is read; 4. match the checkpoint to the model,
-    # the optimizers and the extras. One round reports either.
-    plan = _attempt(_plan, ckpt_dir, manifest, verify, model, optimizers, extra, rng)
-    _check_all(plan.error, group, f"load: verify {ckpt_dir} and match it to the model")
+    # 3. Verify, each rank its share of the files, before anything is read; 4. match the checkpoint to this
+    # rank's model, optimizers and extras, and the model keys of the checkpoint to some rank's model.
+    plan = _attempt(_plan, ckpt_dir, verify, model, optimizers, extra)
+    _vote(group, f"load: verify {ckpt_dir} and match it to the model", plan.error)
+    _check_covered(group, ckpt_dir, plan.value, resuming=bool(optimizers))
     # 5. Read into the live shards and the objects' empty tensors, then hand everything over.
-    _half_loaded.add(model)  # until every rank restored it all: a failure leaves it part-loaded
+    _remember(model, ckpt_dir, None)  # until every rank restored it all: a failure leaves it part-loaded
     try:
         reader = SafeReader(ckpt_dir, plan.value.metadata)
-        dcp.load(plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+        _dcp(dcp.load, plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except FAILURES as e:  # DCP raises every rank's failure on every rank
         cause = f": {_describe(e)}" if os.path.isdir(ckpt_dir) else ""  # a vanished step: _instead() says so
         raise CheckpointError(f"reading {ckpt_dir} failed{cause}.{_instead(ckpt_dir)}") from e
-    restored = _attempt(_restore, plan.value, model, optimizers, manifest["optimizer_state"] if optimizers else {})
-    _check_all(restored.error, group, f"load: restore {ckpt_dir}")
-    _half_loaded.discard(model)
-    # The next save continues from here. A step moved aside is no ancestor of the live ones: they all go aside.
-    _base[os.path.dirname(ckpt_dir)] = manifest["step"] if STEP_RE.match(os.path.basename(ckpt_dir)) else -1
-    log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, manifest["step"], manifest["world_size"])
-    return manifest["step"]
+    restored = _attempt(_restore, plan.value, model)
+    _vote(group, f"load: restore {ckpt_dir}", restored.error)
+    # This model's run continues from here; a step moved aside is no ancestor of the live ones: they all go aside.
+    named = os.path.basename(ckpt_dir)
+    _remember(model, os.path.dirname(ckpt_dir), plan.value.step if _step_of(named) is not None else -1)
+    log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, plan.value.step, plan.value.world_size)
+    return plan.value.step
 
-def check_root(root, timeout=DEFAULT_TIMEOUT):
-    """Claim root for this run, after load(): a wrong or node-local path, another live run there, or checkpoints
-    there that this run did not load (a forgotten resume) fail now, on every rank, not at the first save."""
+def check_root(root, model, timeout=DEFAULT_TIMEOUT):
+    """Claim root for the run that trains model, after load(): a wrong or node-local path, another live run there,
+    or checkpoints there that model was not loaded from (a forgotten resume) fail now, not at the first save."""
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
-    _rank0(group, "check_root()", _claim, root, arguments={"root": root})  # rank 0's own root, whatever others got
+    _vote(group, "check_root()", None, {"root": root})
+    _rank0(group, "check_root()", _claim, root, _continues_from(model, root))
     _check_shared(group, os.path.join(root, OWNER))
 
 def close():
@@ -202,7 +210,7 @@ def close():
             os.close(owner)  # releases the lock
         for stager in _stagers:
             stager.close()
-        for registry in (_stagers, _locks, _base, _half_loaded):  # the next run in this process starts afresh
+        for registry in (_stagers, _locks, _origins):  # the next run in this process starts afresh
             registry.clear()
         while _groups:  # last: it raises if the default group is gone already
             dist.destroy_process_group(_groups.popitem()[1])
@@ -229,51 +237,63 @@ def wait_pending():  # the save in flight, if any, must be over before the group
 
 # ---- save, step by step ----
 
-# flat: {DCP key: value}; extras: {extra's name: its skeleton: its state but the tensors laid out like a parameter};
-# like: {object's key: {key of such a tensor: that parameter}}; optimizer_state: see _optimizer_summary().
-Collected = collections.namedtuple("Collected", "flat extras like optimizer_state")
+# flat: {DCP key: value}; digests: {key: digest} of the values stored once, which the ranks holding them compare;
+# base: the step of this root the model continues from (None: none).
+Collected = collections.namedtuple("Collected", "flat digests base")
 
-def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
+def _collect(root, step, keep, model, optimizers, extra, rng, meta):  # step 1
     if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
-    if model in _half_loaded:  # its shards would mix ranks that read a checkpoint with ranks that did not
+    if _origin(model) and _origin(model)[1] is None:  # its shards would mix ranks that read a checkpoint with ranks that did not
         raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
                               "optimizers may hold part of it: load() again before saving")
+    base = _continues_from(model, root)
+    if base is not None and step < base:
+        raise CheckpointError(f"save(): step {step} is before step {base}, which this model was loaded from or "
+                              f"committed in {root}: to go back, load that step first (a rollback)")
     model_sd = get_model_state_dict(model)
     names = _param_names(model, model_sd)
-    flat = {f"model.{k}": v for k, v in model_sd.items()}
-    # A tensor in an object's state laid out like a parameter (optimizer moments, an EMA's shadows) is stored under
-    # a key of its own and restored laid out like that parameter now: it reshards as the parameter does, and a
-    # plain one saved by an unsharded model comes back sharded in an FSDP2 job.
-    fqns_of_layout = collections.defaultdict(set)
-    for param, fqns in names.items():
-        fqns_of_layout[_layout(param)].update(fqns)
-    skeletons, like = {}, {}
-    for key, obj in _objects(optimizers, names, extra, rng).items():
-        like[key] = {}
-        def leaf(path, value):  # path: <key>.<path in its state>
-            if not isinstance(value, torch.Tensor):
-                return _restorable(path, value)
-            alike = fqns_of_layout.get(_layout(value), set())
-            parts = path.split(".")  # the parameter whose name the path holds (exp_avg of <fqn>, shadow.<fqn>)
-            named = [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
-            named = [name for name in named if name in alike]
-            if not named and not isinstance(value, DTensor):
-                return _restorable(path, value)  # a plain tensor of no parameter's: stored in the skeleton
-            if not alike:
-                raise CheckpointError(f"{path} is a DTensor laid out like no parameter ({value.placements}, shape "
-                                      f"{tuple(value.shape)}): load() could not place it; store its full_tensor()")
-            flat[path] = value  # under a key of its own, so that DCP saves each rank's shard
-            like[key][path] = max(named, key=len) if named else min(alike)
+    params = {fqn: param for param, fqns in names.items() for fqn in fqns}
+    flat = {f"model.{k}": v if isinstance(v, torch.Tensor) else _walk(v, _restorable, f"model.{k}")
+            for k, v in model_sd.items()}  # an object from get_extra_state() too: load() must restore it
+    like_a_param = {f"model.{fqn}" for fqn in params}  # their own key: DTensor shards, or replicated (not hashed)
+
+    def lift(path, value):  # a tensor laid out like the parameter its path names gets a key of its own
+        if not isinstance(value, torch.Tensor):
+            return _restorable(path, value)
+        param = params.get(_param_named(path, params))
+        if param is not None and _layout(param) == _layout(value):
+            flat[path] = value  # DCP saves each rank's shard of it, and load() lays it out like param today
+            like_a_param.add(path)
             return None  # its place in the skeleton
-        skeletons[key] = _walk(obj.state_dict(), leaf, key)
-    flat.update({key: skeleton for key, skeleton in skeletons.items() if key.startswith("optim.")})
-    extras = {key.removeprefix("extra."): s for key, s in skeletons.items() if key.startswith("extra.")}
-    return Collected(flat, extras, like, _optimizer_summary(optimizers, names))
+        if isinstance(value, DTensor):
+            raise CheckpointError(f"{path} is a DTensor whose key names no parameter laid out like it: key it by "
+                                  "its parameter's name (as an EMA's shadows are), or store its full_tensor()")
+        return _restorable(path, value)  # a plain tensor of no parameter's: stored in the skeleton
+
+    for key, obj in _objects(optimizers, names, extra, rng).items():
+        if key.startswith("rank."):  # per rank, stored whole: nothing of it is laid out like a parameter
+            flat[key] = _walk(obj.state_dict(), _restorable, key)
+        elif isinstance(obj, OptimizerByName):
+            flat.update(obj.by_group(_walk(obj.state_dict(), lift, key), key))
+        else:
+            flat[key] = _walk(obj.state_dict(), lift, key)
+    # What DCP stores once and the ranks holding it must agree on; a parameter is kept equal by its all-reduce,
+    # and hashing it would read the whole model at every save.
+    once = [key for key, value in flat.items()
+            if key not in like_a_param and not key.startswith("rank.") and not isinstance(value, DTensor)]
+    return Collected(flat, {key: _digest(flat[key]) for key in once} if _world_size() > 1 else {}, base)
 
 def _layout(t):  # what a tensor laid out like a parameter shares with it
     return (t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else t.shape
+
+def _param_named(path, params):
+    """The name of the parameter that is the longest run of path's dotted parts (optim.0.state.<fqn>.exp_avg,
+    extra.ema.shadow.<fqn>), or None: the key says which, at save and at load alike."""
+    parts = path.split(".")
+    runs = [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
+    return max([run for run in runs if run in params], key=len, default=None)
 
 def _walk(value, leaf, path=""):
     """value, with leaf(path, x) for each leaf x of its dicts, lists and tuples; refuses keys load() cannot restore."""
@@ -291,10 +311,11 @@ def _restorable(path, value):
     if type(value) not in PLAIN:
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         raise CheckpointError(f"{path} is a {kind}, which load() cannot restore without running code from the "
-                              "checkpoint: convert it in state_dict(), and back in load_state_dict()")
+                              "checkpoint: convert it in state_dict() (or get_extra_state()), and back when loaded")
     return value
 
-def _objects(optimizers, names, extra, rng):  # {key: what holds state there}: optimizers, extras, generators
+def _objects(optimizers, names, extra, rng):
+    """{key: what holds state there}: each optimizer by parameter name; each extra, per rank or stored once."""
     for name, obj in (extra or {}).items():
         if not isinstance(name, str) or not name or "." in name or name == "rng":
             raise CheckpointError(f"extra {name!r}: a name is part of the keys: a str without '.', and not 'rng'")
@@ -305,56 +326,115 @@ def _objects(optimizers, names, extra, rng):  # {key: what holds state there}: o
                   "rng.python": Generator(random.getstate, random.setstate)}
     if torch.cuda.is_available():
         generators["rng.cuda"] = Generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
-    extras = {**(extra or {}), **(generators if rng else {})}
-    optimizers_by_name = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
-    return optimizers_by_name | {f"extra.{name}": obj for name, obj in extras.items()}
+    objects = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
+    for name, obj in {**(extra or {}), **(generators if rng else {})}.items():
+        obj = OptimizerByName(obj, names) if isinstance(obj, torch.optim.Optimizer) else obj  # by name here too
+        per_rank = name.startswith("rng.") or isinstance(obj, (PerRank, *DATA_ORDER))
+        objects[f"rank.{_rank()}.extra.{name}" if per_rank else f"extra.{name}"] = obj
+    return objects
 
 class OptimizerByName:
-    """An optimizer's state_dict() and load_state_dict() keyed by parameter name, not by position. Optimizer's own
-    state_dict() runs no step: a save before the first leaves it as it was (get_optimizer_state_dict would step it)."""
+    """An optimizer's state_dict() and load_state_dict() keyed by parameter name, not by position, and stored one
+    value per param group, under the name of its first parameter: pipeline stages, which hold other parameters,
+    never write one key. Optimizer.state_dict() runs no step (get_optimizer_state_dict would step it)."""
     def __init__(self, optimizer, names):  # names: {parameter: its names in the model's state dict}
         self.optimizer = optimizer
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if any(p not in names for p in params):
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]  # torch's numbering
+        if any(p not in names for p in self.params):
             raise CheckpointError(f"{type(optimizer).__name__} holds parameters that are not the model's")
-        self.fqns = [names[p][0] for p in params]  # by index in state_dict()
+        self.fqns = [names[p][0] for p in self.params]
 
-    def state_dict(self):
+    def state_dict(self):  # the optimizer's own, parameter numbers replaced by names
         sd = self.optimizer.state_dict()
         groups = [dict(group, params=[self.fqns[i] for i in group["params"]]) for group in sd["param_groups"]]
         return {"state": {self.fqns[i]: state for i, state in sd["state"].items()}, "param_groups": groups}
 
+    def by_group(self, sd, key):  # {key.group.<first name>: a group's options, names and their state}
+        return {f"{key}.group.{group['params'][0]}": {"group": group, "state": {
+                name: sd["state"][name] for name in group["params"] if name in sd["state"]}}
+                for group in sd["param_groups"] if group["params"]}
+
+    def from_groups(self, saved):
+        """The state_dict of the saved groups (values of by_group()) that hold this optimizer's groups' names."""
+        kind, live = type(self.optimizer).__name__, self.state_dict()["param_groups"]  # names, in this order
+        holding = {name: entry for entry in saved for name in entry["group"]["params"]}
+        groups, state = [], {}
+        for group in live:
+            entry = holding.get(group["params"][0]) if group["params"] else {"group": group, "state": {}}
+            saved_names = entry["group"]["params"] if entry else []
+            if sorted(saved_names) != sorted(group["params"]):  # built otherwise: state would go elsewhere
+                other = sorted(set(saved_names) ^ set(group["params"]))
+                raise CheckpointError(f"{kind}'s param group of {group['params'][:3]}... does not hold what it "
+                                      f"held when saved: {other[:10]} are in one of them only")
+            groups.append(dict(entry["group"], params=group["params"]))  # this optimizer's order: torch zips them
+            state.update(entry["state"])
+        return {"state": state, "param_groups": groups}
+
     def load_state_dict(self, sd):
-        groups = self.state_dict()["param_groups"]
-        saved_params = [group["params"] for group in sd["param_groups"]]
-        params = [group["params"] for group in groups]
-        if saved_params != params:  # built otherwise: the checkpoint's groups would go to other parameters
-            firsts = {"now": [p[:1] for p in params], "saved": [p[:1] for p in saved_params]}
-            raise CheckpointError(f"{type(self.optimizer).__name__}'s param groups hold other parameters than the "
-                                  f"checkpoint's (the first of each: {firsts}): build it as it was when saved")
-        lacking = sorted({option for group in sd["param_groups"] for option in group} - set(groups[0]))
+        lacking = sorted({option for group in sd["param_groups"] for option in group} - set(self.optimizer.param_groups[0]))
         if lacking:
             raise CheckpointError(f"{type(self.optimizer).__name__} has no option {lacking} of the checkpoint's"
                                   + (" (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before "
                                      "load(), as at save())" if "initial_lr" in lacking else ""))
-        self.optimizer.load_state_dict(sd)  # it maps the saved ids (names) onto its parameters in order: equal above
+        self.optimizer.load_state_dict(sd)  # it maps the saved ids (names) onto its parameters in order
+        for name, param in zip(self.fqns, self.params):  # 6. each parameter got the state saved under its name
+            now, saved = self.optimizer.state.get(param, {}), sd["state"].get(name, {})
+            if sorted(now) != sorted(saved) or _step(now) != _step(saved):
+                raise CheckpointError(f"optimizer state of {name} after loading: {sorted(now)}, step {_step(now)}; "
+                                      f"saved: {sorted(saved)}, step {_step(saved)}")
 
-def _fingerprints(values):
-    """{key or path of each leaf of values (a dict): its digest}; a tensor's of its bytes (its pickle varies)."""
-    found = {}
+def _step(state):
+    return float(state["step"]) if "step" in state else None
+
+def _digest(value):  # of every leaf in order; a tensor's of its bytes (its pickle varies)
+    h = hashlib.sha256()
     def leaf(path, x):
+        h.update(path.encode())
         if isinstance(x, torch.Tensor):
-            x = (x.dtype, x.shape, x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        found[path] = hashlib.sha256(pickle.dumps(x)).hexdigest()[:16]
-    for key, value in values.items():
-        _walk(value, leaf, key)
-    return found
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        else:
+            h.update(repr(x).encode())  # exact for the plain types _restorable() admits
+    _walk(value, leaf)
+    return h.hexdigest()[:16]
 
-def _digest(values):  # one digest of all the fingerprints: little to gather where no leaf need be named
-    return hashlib.sha256(repr(sorted(_fingerprints(values).items())).encode()).hexdigest()[:16]
+class AgreeingSavePlanner(dcp.DefaultSavePlanner):
+    """DCP's save planner; each rank's plan also carries a digest of each value it holds that DCP stores once, and
+    the coordinator, which receives every plan anyway, refuses a key whose holders disagree (one copy is stored)."""
+    def __init__(self, digests):
+        # Our keys are flat already, and an object's skeleton is one value: DCP must not rebuild it (flattening
+        # would turn its keys into str and drop its empty dicts). load() asks for these keys.
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.digests = digests
 
-def _prepare(root, step):  # step 3, rank 0
-    _claim(root)
+    def create_local_plan(self):
+        self.plan = dataclasses.replace(super().create_local_plan(), planner_data=self.digests)
+        return self.plan
+
+    def create_global_plan(self, all_plans):
+        holders = collections.defaultdict(lambda: collections.defaultdict(list))  # key -> digest -> ranks
+        for rank, plan in enumerate(all_plans):
+            for key, digest in (plan.planner_data or {}).items():
+                holders[key][digest].append(rank)
+        differ = {key: list(ranks.values()) for key, ranks in sorted(holders.items()) if len(ranks) > 1}
+        if differ:
+            raise CheckpointError(_disagreement(differ))
+        return super().create_global_plan(all_plans)
+
+def _disagreement(differ):  # {key: [ranks holding one value, ranks holding another, ...]}
+    def ranks(group):
+        return " ".join(map(str, group[:4])) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
+    shown = [f"{key} (ranks {' | '.join(ranks(group) for group in groups)})" for key, groups in list(differ.items())[:5]]
+    advice = {"model": "a buffer that ranks update alone: make it equal (broadcast it)",
+              "optim": "an option or a step that differs between ranks: make it equal",
+              "extra": "state of each rank's own (a data position): wrap it as ckpt.PerRank(obj); of each pipeline "
+                       "stage's own: give each stage's its own name; else make it equal"}
+    kinds = sorted({key.split(".")[0] for key in differ})
+    return (f"{len(differ)} value(s) stored once differ among the ranks that hold them: {'; '.join(shown)}. "
+            + "; ".join(f"{kind}.*: {advice[kind]}" for kind in kinds))
+
+def _prepare(root, step, base):  # step 3, rank 0
+    _claim(root, base)
     # DCP assumes an empty directory: an old .metadata beside new shards would be trusted. A unique name also
     # means that a leftover we could not remove never blocks a later save.
     tmp = _unique(root, TMP, step)
@@ -364,35 +444,40 @@ def _prepare(root, step):  # step 3, rank 0
 def _check_shared(group, path):
     # A rank that cannot see what rank 0 made has a node-local root: a save would scatter its shards over disks.
     unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage shared by every rank"
-    _check_all(unseen, group, "shared storage check")
+    _vote(group, "shared storage check", unseen)
 
-Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base")
+Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base model digests")
 
 def _write_and_commit(state, c):  # steps 4-6 on every rank; in a background thread for an async save
-    written = _attempt(_write, state, c.tmp, c.group)
+    written = _attempt(_write, state, c.digests, c.tmp, c.group)
     try:
-        checksums = _check_all(written.error, c.group, f"save of step {c.step}: writing", info=written.value)
-    except CheckpointError as e:
+        reports = _gather(c.group, f"save of step {c.step}: writing", written)  # rank 0 lists every rank's files
+        path, failed = _rank0(c.group, f"save of step {c.step}: commit", _commit, c, reports)
+        if failed:
+            raise CheckpointError(f"save of step {c.step}: writing failed on {len(failed)} rank(s): "
+                                  f"{'; '.join(failed)}. Nothing was committed; the previous checkpoint is intact")
+    except CheckpointError:  # a rank lost mid-write (its collective failed): nothing is committed
         if _rank() == 0:
-            shutil.rmtree(c.tmp, ignore_errors=True)  # frees the space (a full disk, say)
-        raise CheckpointError(f"{e}. Nothing was committed; the previous checkpoint is intact") from e
-    path = _rank0(c.group, f"save of step {c.step}: commit", _commit, c, checksums)
-    _base[c.root] = c.step
+            shutil.rmtree(c.tmp, ignore_errors=True)  # gone already if committed
+        raise
+    _remember(c.model, c.root, c.step)
     log.info("checkpoint %s committed", path)
     return path
 
-def _write(state, tmp, group):
+def _write(state, digests, tmp, group):
     """Step 4: DCP writes every rank's files; then this rank CRCs its share from the page cache (not DCP's stream)."""
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
-    # Our keys are flat already, and an object's skeleton is one value: DCP must not rebuild it (flattening would
-    # turn its keys into str and drop its empty dicts). load() asks for these keys.
-    planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
+    _dcp(dcp.save, state, storage_writer=writer, planner=AgreeingSavePlanner(digests), process_group=group)
     paths = {name: os.path.join(tmp, name) for name in _share(os.listdir(tmp))}
     return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
 
-def _commit(c, checksums):  # steps 5-6, rank 0; checksums: each rank's {file: its size and CRC}
-    files = dict(collections.ChainMap(*checksums))  # each rank's share, merged
+def _commit(c, reports):
+    """Steps 5-6, rank 0: (the step's path, None), or (None, each rank's failure to write) and nothing committed.
+    reports: each rank's Outcome of _write(): its files' size and CRC."""
+    if any(error is not None for _, error in reports):
+        shutil.rmtree(c.tmp, ignore_errors=True)  # before any rank hears of it: frees the space (a full disk, say)
+        return None, [f"rank {r}: {error}" for r, (_, error) in enumerate(reports) if error]
+    files = dict(collections.ChainMap(*(checksums for checksums, _ in reports)))  # each rank's share, merged
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
     with open(os.path.join(c.tmp, MANIFEST), "w") as f:
@@ -401,26 +486,29 @@ def _commit(c, checksums):  # steps 5-6, rank 0; checksums: each rank's {file: i
         os.fsync(f.fileno())  # on disk before the rename points at it
     fsync_dir(c.tmp)  # and the directory's entries
     _move_aside(c.root, c.base)
-    replaced = _unique(c.root, ABANDONED, c.step) if os.path.isdir(step_dir(c.root, c.step)) else None
-    if replaced:  # this step saved again: its older copy goes aside, right before the new one takes its name
+    replaced = _unique(c.root, REPLACED, c.step) if os.path.isdir(step_dir(c.root, c.step)) else None
+    if replaced:  # step N saved again: until the new copy takes its name, the old one is step N under this name
         os.rename(step_dir(c.root, c.step), replaced)
     os.rename(c.tmp, step_dir(c.root, c.step))  # atomic: the checkpoint appears whole or not at all
-    fsync_dir(c.root)  # without this, a power cut can undo the renames
+    try:  # the commit stands from here: a later failure is logged, and the next save keeps this step
+        fsync_dir(c.root)  # without this, a power cut can undo the renames
+    except OSError as e:
+        log.warning("step %d is committed, but the fsync of %s failed (a power cut may undo it): %s", c.step, c.root, e)
     if replaced:
         shutil.rmtree(replaced, ignore_errors=True)
-    for step in _steps(c.root)[: -c.keep] if c.keep else []:  # 6. A failure is logged: the commit stands.
+    for step in sorted(_steps(c.root))[: -c.keep] if c.keep else []:  # 6. Retain.
         trash = _unique(c.root, f"{TMP}delete-", step)
         try:  # out of load()'s sight first: a crash mid-delete leaves a .tmp- directory, never half a checkpoint
             os.rename(step_dir(c.root, step), trash)
             shutil.rmtree(trash)
         except OSError as e:
             log.warning("retention: could not remove %s: %s", step_dir(c.root, step), e)
-    return step_dir(c.root, c.step)
+    return step_dir(c.root, c.step), None
 
 def _move_aside(root, base):
     """Steps after the one this run continues from belong to a branch given up (a rollback): moved aside, highest
     first, they keep their data, and the steps under a root stay one history, the highest the newest commit."""
-    given_up = [s for s in reversed(_steps(root)) if base is not None and s > base]
+    given_up = [s for s in sorted(_steps(root), reverse=True) if base is not None and s > base]
     for step in given_up:
         aside = _unique(root, ABANDONED, step)
         os.rename(step_dir(root, step), aside)
@@ -431,30 +519,42 @@ def _move_aside(root, base):
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
 
+def _origin(model):
+    """(root, step) model's run continues from: loaded from, or last committed (step None: a load into it failed
+    while reading). Each module of the model keeps it: a torch.compile wrapper finds its model's, an evaluation
+    copy has its own."""
+    return next((_origins[m] for m in model.modules() if m in _origins), None)
+
+def _continues_from(model, root):  # the step of root that model's run continues from, or None
+    origin = _origin(model)
+    return origin[1] if origin and origin[0] == root else None
+
+def _remember(model, root, step):
+    for module in model.modules():
+        _origins[module] = (root, step)
+
 # ---- load, step by step ----
 
-def _choose(path):  # step 2, rank 0
-    found = find_checkpoint(path)
-    if found is None:  # a fresh root, or one whose only save was interrupted: say which
-        interrupted = [n for n in (os.listdir(path) if os.path.isdir(path) else []) if n.startswith(TMP)]
-        if interrupted:
-            log.warning("no checkpoint in %s: %s is an interrupted save (never loaded)", path, ", ".join(interrupted))
-        return None, None
-    try:
-        return found, read_manifest(found)
-    except CheckpointError as e:
-        raise CheckpointError(f"refusing to load a damaged checkpoint: {e}.{_instead(found)}") from None
+def _say_why_none(path):  # a fresh root, or one whose only save was interrupted: say which
+    interrupted = [n for n in (os.listdir(path) if os.path.isdir(path) else []) if n.startswith(TMP)]
+    if interrupted and _rank() == 0:
+        log.warning("no checkpoint in %s: %s is an interrupted save (never loaded)", path, ", ".join(interrupted))
 
 def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged or gone
     root = os.path.dirname(ckpt_dir)
-    others = [step_dir(root, step) for step in _steps(root) if step_dir(root, step) != ckpt_dir]
+    others = [os.path.join(root, name) for _, name in sorted(_steps(root).items())]
+    others = [other for other in others if other != ckpt_dir]
     gone = "" if os.path.isdir(ckpt_dir) else f" {ckpt_dir} does not exist (removed by another run's retention?)."
     return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
-# request: what dcp.load() reads into; objects: {key: (object, the key its skeleton is read under)}.
-Plan = collections.namedtuple("Plan", "metadata request names objects")
+# request: what dcp.load() reads into; objects: {key: object whose state is stored there}.
+Plan = collections.namedtuple("Plan", "step world_size metadata request objects")
 
-def _plan(ckpt_dir, manifest, verify, model, optimizers, extra, rng):  # steps 3-4
+def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every rank
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointError as e:
+        raise CheckpointError(f"refusing to load a damaged checkpoint: {e}.{_instead(ckpt_dir)}") from None
     damage = verify_files(ckpt_dir, manifest, _share(manifest["files"]), verify)
     try:
         metadata = read_metadata(ckpt_dir)  # every rank reads it; rank 0, whose share it is, verified it
@@ -462,60 +562,86 @@ def _plan(ckpt_dir, manifest, verify, model, optimizers, extra, rng):  # steps 3
         damage.append(str(e))
     if damage:
         raise CheckpointError(f"refusing to load a damaged checkpoint: {'; '.join(damage)}.{_instead(ckpt_dir)}")
-    saved = metadata.state_dict_metadata
     types = [type(o).__name__ for o in optimizers]
     if optimizers and manifest["optimizers"] != types:
         raise CheckpointError(f"{ckpt_dir} was saved with optimizers {manifest['optimizers']}, not {types}: pass "
                               "the same ones, in the same order (to load the weights alone, pass optimizer=None)")
+    saved = metadata.state_dict_metadata
     model_sd = get_model_state_dict(model)
     request = {f"model.{k}": v for k, v in model_sd.items()}
     _match(ckpt_dir, saved, request)
     names = _param_names(model, model_sd)
-    wanted = _objects(optimizers, names, extra, rng)
-    objects, resized = {}, manifest["world_size"] != _world_size()
-    unrestored = [f"{key} (not passed to load())" for key in sorted(set(manifest["objects"]) - set(wanted))
-                  if key.startswith("extra.") and (rng or not key.startswith("extra.rng."))]
-    for key, obj in wanted.items():
-        entry = manifest["objects"].get(key)
-        if entry is None and key.startswith("extra.rng."):
-            continue  # a generator saved with rng=False, or without CUDA
-        if entry is None:
-            raise CheckpointError(f"{key} is not in {ckpt_dir}, which holds {sorted(manifest['objects'])}")
-        if entry["per_rank"] and resized and key.startswith("extra.rng."):  # N streams do not map onto M ranks
-            unrestored.append(f"{key} (per rank at another world size: left as this process has it)")
-            continue
-        if entry["per_rank"] and resized:
-            raise CheckpointError(f"{key} differed between ranks when saved at world size {manifest['world_size']}: "
-                                  "resume at that size, or make its state_dict() the same on every rank")
-        skeleton = f"rank.{_rank()}.{key}" if entry["per_rank"] else key
-        request[skeleton] = _empty_like(saved[skeleton], None)
+    params = {fqn: param for param, fqns in names.items() for fqn in fqns}
+    resized = manifest["world_size"] != _world_size()
+    objects = {}
+    for key, obj in _objects(optimizers, names, extra, rng=bool(optimizers)).items():
+        name = key.partition("extra.")[2]  # "" for an optimizer
+        if name.startswith("rng.") and (resized or key not in saved):
+            continue  # generators: at another world size, or saved with rng=False or without CUDA, left as seeded
+        if key.startswith("rank.") and resized:
+            raise CheckpointError(f"extra {name!r} is per rank (a position within one rank's shard), saved at world "
+                                  f"size {manifest['world_size']}, not {_world_size()}: resume at that size, or "
+                                  "rebuild it from a global position and leave it out of load()")
+        entries = [k for k in saved if k.startswith(f"{key}.group.")] if isinstance(obj, OptimizerByName) else [key]
+        if not all(k in saved for k in entries) or not entries:
+            raise CheckpointError(f"{_object_of(key)} is not in {ckpt_dir}, which holds {_objects_in(saved)}")
+        request.update({k: _empty_like(saved[k], None) for k in entries})
         live = {}  # an optimizer's present tensors: read into in place, as plain DCP does (no second copy)
         if isinstance(obj, OptimizerByName):
             _walk(obj.state_dict(), lambda path, value: live.setdefault(path, value), key)
-        for tensor_key, fqn in entry["like"].items():
-            request[tensor_key] = _empty_like(saved[tensor_key], model_sd.get(fqn), live.get(tensor_key))
-        objects[key] = (obj, skeleton)
-    if unrestored and optimizers and _rank() == 0:  # a resume that leaves state behind (not a weights-only load)
-        log.warning("not restored from %s: %s", ckpt_dir, ", ".join(unrestored))
-    return Plan(metadata, request, names, objects)
+        for tensor_key in [k for k in saved if k.startswith(f"{key}.") and hasattr(saved[k], "size")]:
+            name = _param_named(tensor_key, params)
+            if isinstance(obj, OptimizerByName) and name not in obj.fqns:
+                continue  # another pipeline stage's parameter
+            if name is None:
+                raise CheckpointError(f"{tensor_key} is laid out like a parameter this model does not have")
+            request[tensor_key] = _empty_like(saved[tensor_key], params[name], live.get(tensor_key))
+        objects[key] = obj
+    return Plan(manifest["step"], manifest["world_size"], metadata, request, objects)
+
+def _objects_in(keys):  # the optimizers and extras that keys belong to
+    return sorted({_object_of(key) for key in keys if not key.startswith("model.")})
+
+def _object_of(key):  # optim.<i>, extra.<name> or "extra.<name> (per rank)"
+    found = re.match(r"(rank\.\d+\.)?(optim\.\d+|extra\.rng\.\w+|extra\.[^.]+)", key)
+    return found[2] + (" (per rank)" if found[1] else "")
 
 def _match(ckpt_dir, saved, live):
-    """Refuse, naming the keys, a checkpoint whose model keys, shapes or dtypes are not the live ones."""
+    """Refuse, naming the keys, a checkpoint that lacks this rank's model keys or holds them in another dtype or
+    shape (a checkpoint's keys of no rank's model: _check_covered())."""
     live = {k: f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else "no tensor" for k, v in live.items()}
     kept = {k: f"{m.properties.dtype} {tuple(m.size)}" if hasattr(m, "size") else "no tensor"
             for k, m in saved.items() if k.startswith("model.")}
     found = {"missing from the checkpoint": [k for k in live if k not in kept],
-             "not in the model": [k for k in kept if k not in live],
              "of another dtype or shape": [f"{k}: {kept[k]} saved, {live[k]} here"
                                            for k in live if k in kept and kept[k] != live[k]]}
     problems = [f"{len(keys)} key(s) {what}: {keys[:10]}" for what, keys in found.items() if keys]
     if problems:
         raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model: {'; '.join(problems)}")
 
+def _check_covered(group, ckpt_dir, plan, resuming):
+    """Every key of the checkpoint some rank asks for (pipeline stages each ask for theirs): one all-reduce of a
+    byte per key. A model key no rank has is refused; the rest, not restored, is named on a resume."""
+    keys = sorted(plan.metadata.state_dict_metadata)
+    asked = torch.tensor([key in plan.request for key in keys], dtype=torch.uint8)
+    if group is not None:
+        _collective("load: which keys some rank restores", dist.all_reduce, asked, op=dist.ReduceOp.MAX, group=group)
+    left = [key for key, some in zip(keys, asked.tolist()) if not some]
+    not_in_model = [key for key in left if key.startswith("model.")]
+    if not_in_model:
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model: {len(not_in_model)} key(s) not in "
+                              f"the model: {not_in_model[:10]}")
+    def why(name):  # generators at another world size, or what load() was not given
+        if name.endswith("(per rank)") and plan.world_size != _world_size():
+            return f"{name[:-1]}, saved at world size {plan.world_size}: left as this process seeded it)"
+        return f"{name} (not passed to load())"
+    if resuming and left and _rank() == 0:  # a weights-only load leaves the rest behind by design
+        log.warning("not restored from %s: %s", ckpt_dir, ", ".join(map(why, _objects_in(left))))
+
 def _empty_like(saved, param, live=None):
     """What a value is read into: None if pickled; live if laid out like param already; else one laid out so."""
     if not hasattr(saved, "size"):
-        return None
+        return None  # DCP's load_bytes() replaces it
     if isinstance(live, torch.Tensor) and _layout(live) == _layout(param) and live.dtype == saved.properties.dtype:
         return live
     if isinstance(param, DTensor):
@@ -523,24 +649,16 @@ def _empty_like(saved, param, live=None):
                                               device_mesh=param.device_mesh, placements=param.placements)
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
 
-def _restore(plan, model, optimizers, saved_summary):  # steps 5-6, after dcp.load(); user code runs
-    model_sd = {k.removeprefix("model."): v for k, v in plan.request.items() if k.startswith("model.")}
-    set_model_state_dict(model, model_sd)
-    for key, (obj, skeleton) in plan.objects.items():  # a leaf whose key a tensor was read under becomes it
-        obj.load_state_dict(_walk(plan.request[skeleton], lambda path, value: plan.request.get(path, value), key))
-    summary = _optimizer_summary(optimizers, plan.names)
-    for fqn in sorted(set(summary) | set(saved_summary)):
-        if summary.get(fqn) != saved_summary.get(fqn):
-            raise CheckpointError(f"optimizer state of {fqn} after loading: {summary.get(fqn)} ([keys, step]); "
-                                  f"saved: {saved_summary.get(fqn)}")
-
-def _optimizer_summary(optimizers, names):
-    """{parameter name: [its optimizer state's keys, its step]}: saved in the manifest, checked after a load."""
-    summary = {}
-    for opt in optimizers:
-        for param, state in opt.state.items():
-            summary[names[param][0]] = [sorted(state), float(state["step"]) if "step" in state else None]
-    return summary
+def _restore(plan, model):  # steps 5-6, after dcp.load(); user code runs
+    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in plan.request.items() if k.startswith("model.")})
+    def tensor_read(path, value):  # a leaf whose key a tensor was read under becomes it
+        return plan.request.get(path, value)
+    for key, obj in plan.objects.items():
+        if isinstance(obj, OptimizerByName):
+            saved = [value for k, value in plan.request.items() if k.startswith(f"{key}.group.")]
+            obj.load_state_dict(_walk(obj.from_groups(saved), tensor_read, key))
+        else:
+            obj.load_state_dict(_walk(plan.request[key], tensor_read, key))
 
 def _param_names(model, model_sd):
     """{parameter: its names in the state dict}: torch.compile (_orig_mod) and activation checkpointing
@@ -559,12 +677,19 @@ def _param_names(model, model_sd):
 def step_dir(root, step):
     return os.path.join(root, f"step-{step:08d}")
 
-def _steps(root):  # each step-N directory is a commit: it appeared by a rename
-    matches = [STEP_RE.match(n) for n in (os.listdir(root) if os.path.isdir(root) else [])]
-    return sorted(int(m.group(1)) for m in matches if m)
+def _step_of(name):  # the step a directory holds a commit of, else None
+    found = STEP_RE.match(name) or REPLACED_RE.match(name)
+    return int(found[1]) if found else None
+
+def _steps(root):
+    """{step: its directory's name}. Each step-N is a commit (it appeared by a rename); a .replaced-step-N-<id>
+    with no step-N beside it is step N, its save again interrupted between the two renames."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    caught = {_step_of(name): name for name in names if name.startswith(REPLACED) and _step_of(name) is not None}
+    return caught | {_step_of(name): name for name in names if STEP_RE.match(name)}
 
 def committed_steps(root):
-    return [s for s in _steps(root) if os.path.isfile(os.path.join(step_dir(root, s), MANIFEST))]
+    return [s for s, name in sorted(_steps(root).items()) if os.path.isfile(os.path.join(root, name, MANIFEST))]
 
 def find_checkpoint(path):
     """The checkpoint load() uses: path itself if it is a checkpoint directory, else the highest step under path.
@@ -572,10 +697,10 @@ def find_checkpoint(path):
     name = os.path.basename(os.path.normpath(path))
     if name.startswith(TMP):
         raise CheckpointError(f"{path} is an uncommitted save (interrupted, or in progress): it is never loaded")
-    if STEP_RE.match(name) or name.startswith(ABANDONED) or os.path.isfile(os.path.join(path, MANIFEST)):
+    if _step_of(name) is not None or name.startswith(ABANDONED) or os.path.isfile(os.path.join(path, MANIFEST)):
         return path
     steps = _steps(path)
-    return step_dir(path, steps[-1]) if steps else None
+    return os.path.join(path, steps[max(steps)]) if steps else None
 
 def _share(names):
     """The files this rank checks: the first number in their names modulo the world size (__r_0.distcp: rank r's)."""
@@ -638,7 +763,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         dtype_or_layout = module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
         if not dtype_or_layout and name not in _METADATA_TYPES.get(module, ()):
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type of DCP's metadata")
+            raise pickle.UnpicklingError(
+                f"it names {module}.{name}, which is not among the types of DCP's metadata that this ckpt.py knows "
+                f"(torch {torch.__version__} is loading it). If a newer torch wrote it and the type holds plain data, "
+                "add it to _METADATA_TYPES")
         return super().find_class(module, name)
 
 def read_metadata(ckpt_dir):  # DCP's .metadata, read without running code from it
@@ -665,6 +793,11 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value):
         self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True, map_location="cpu")
+
+def _dcp(fn, *args, **kwargs):  # dcp.save() or dcp.load(); in one process, without its warning that it assumes so
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(*args, no_dist=not dist.is_initialized(), **kwargs)
 
 # ---- coordination: a gloo group with a long timeout; every rank learns of any rank's failure ----
 
@@ -693,78 +826,121 @@ def _collective(what, fn, *args, **kwargs):  # a timeout or a lost peer becomes 
         raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {_rank()}: not every rank reached "
                               f"it within the checkpoint timeout (called on every rank? crashed or hung?): {e}") from e
 
-def _attempt(fn, *args):  # a local step's Outcome, for _check_all() to share
+def _attempt(fn, *args):  # a local step's Outcome, for _vote() and _gather() to share
     try:
         return Outcome(fn(*args), None)
     except FAILURES as e:
         log.debug("on rank %d", _rank(), exc_info=True)
-        return Outcome(None, _describe(e))
+        return Outcome(None, _describe(e, only_mine=True))
 
-def _describe(e):  # in one line: DCP's exception holds every rank's failure, with its traceback
+def _describe(e, only_mine=False):
+    """In one line. DCP raises every rank's failure on every rank; only_mine: this rank's alone, so that each is
+    counted once ("": it failed because another rank did)."""
     if isinstance(e, dcp.CheckpointException):
-        return "; ".join(f"on rank {r}: {type(error).__name__}: {error}" for r, (error, _) in e.failures.items())
-    return f"{type(e).__name__}: {e}"
+        return "; ".join(("" if only_mine else f"on rank {rank}: ") + _describe(error)
+                         for rank, (error, _) in e.failures.items() if not only_mine or rank == _rank())
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"  # ours say what they are
 
-def _check_all(error, group, what, args=None, info=None):
-    """Raise the same CheckpointError on every rank if a rank failed (error: its message) or got other args; else
-    return every rank's info."""
+def _vote(group, what, error=None, args=None):
+    """Raise the same CheckpointError on every rank if a rank failed (error: its message) or was given other args.
+    One all-reduce of three numbers when all is well; only a disagreement gathers what to name it by."""
     given = [f"{name}={value!r}" for name, value in (args or {}).items()]  # compared as the error shows them
-    if args:
-        given.append(f"(in {what})")  # names each rank's call where ranks called different ones (sorted first)
-    reports = [(error, given, info)]
-    if group is not None:
+    given += [f"(in {what})"] if args else []  # names each rank's call where ranks called different ones
+    if group is None:
+        reports = [(error, given)]
+    else:
+        digest = int(hashlib.sha256(repr(given).encode()).hexdigest()[:15], 16)  # 60 bits: fits an int64
+        votes = torch.tensor([error is not None, digest, -digest], dtype=torch.int64)
+        _collective(what, dist.all_reduce, votes, op=dist.ReduceOp.MAX, group=group)
+        if votes[0] == 0 and votes[1] == -votes[2]:  # nobody failed; the largest digest is the smallest: all alike
+            return
         reports = [None] * dist.get_world_size()
-        _collective(what, dist.all_gather_object, reports, (error, given, info), group=group)
-    failed = [f"rank {r}: {message}" for r, (message, _, _) in enumerate(reports) if message]
-    if failed:
+        _collective(what, dist.all_gather_object, reports, (error, given), group=group)
+    failed = [f"rank {r}: {message}" for r, (message, _) in enumerate(reports) if message]
+    if failed or any(message is not None for message, _ in reports):
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
-    alike = set.intersection(*[set(other) for _, other, _ in reports])  # what every rank was given
-    if any(len(other) > len(alike) for _, other, _ in reports):  # the same test on every rank: they all raise
-        ranks = [f"rank {r}: " + " ".join(sorted(set(other) - alike)) for r, (_, other, _) in enumerate(reports)]
+    alike = set.intersection(*[set(other) for _, other in reports])  # what every rank was given
+    if any(len(other) > len(alike) for _, other in reports):
+        ranks = [f"rank {r}: " + " ".join(sorted(set(other) - alike)) for r, (_, other) in enumerate(reports)]
         raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
-    return [rank_info for _, _, rank_info in reports]
 
-def _rank0(group, what, fn, *args, arguments=None):
-    """Rank 0 alone runs fn(*args) (it alone touches the root); every rank returns its result or raises its error."""
-    outcome = _attempt(fn, *args) if _rank() == 0 else Outcome(None, None)
-    return _check_all(outcome.error, group, what, arguments, info=outcome.value)[0]
+def _rank0(group, what, fn, *args):
+    """Rank 0 alone runs fn(*args) (it alone touches the root), and tells every rank its result or its error."""
+    outcome = _attempt(fn, *args) if _rank() == 0 else None
+    if group is not None:
+        box = [tuple(outcome) if outcome else None]
+        _collective(what, dist.broadcast_object_list, box, src=0, group=group)
+        outcome = Outcome(*box[0])
+    if outcome.error is not None:
+        raise CheckpointError(f"{what} failed on rank 0: {outcome.error}")
+    return outcome.value
+
+def _gather(group, what, outcome):  # rank 0: every rank's Outcome, in rank order; other ranks: None
+    if group is None:
+        return [outcome]
+    reports = [None] * dist.get_world_size() if _rank() == 0 else None
+    _collective(what, dist.gather_object, tuple(outcome), reports, dst=0, group=group)
+    return reports and [Outcome(*report) for report in reports]
 
 def _as_list(optimizer):
     return [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
 
 # ---- the root: one live run writes to it ----
 
-def _claim(root):
+def _claim(root, base):
     """Rank 0: make this run the only writer of root, or raise naming the run that is (two runs on one root delete
-    each other's saves in progress, each taking them for a crashed run's). The claim is a lock on .owner.json, which
-    the kernel (or NFS's lock manager) releases once its process is gone: no run id, pid or age is guessed at."""
-    if root in _locks:
+    each other's saves in progress, each taking them for a crashed run's). Then refuse a model that was not loaded
+    from root while root holds checkpoints: a forgotten resume would start over, moving every step aside."""
+    held = root in _locks
+    owner = _locks[root] if held else _lock(root)
+    steps = _steps(root)
+    if steps and base is None:
+        if not held:  # this run does not hold the root: its record goes, and the lock with the file
+            os.ftruncate(owner, 0)
+            os.close(owner)
+        raise CheckpointError(f"{root} holds checkpoints up to {os.path.join(root, steps[max(steps)])}, and this run "
+                              "loaded none of them into its model: load() the root before check_root() and save(), "
+                              "or use another root")
+    if held:
         return
+    if not _locks:  # a forked child (a DataLoader worker, a helper) is not the run: it must not keep the root
+        os.register_at_fork(after_in_child=_release_in_child)
+    _locks[root] = owner
+    for name in os.listdir(root):  # left by a run that is gone: no other run writes here
+        path, step = os.path.join(root, name), _step_of(name)
+        if name.startswith(REPLACED) and step is not None and not os.path.isdir(step_dir(root, step)):
+            os.rename(path, step_dir(root, step))  # killed between a save's two renames: the older copy is step N
+            fsync_dir(root)
+            log.warning("%s is step %d again: a save of that step was interrupted", step_dir(root, step), step)
+        elif name.startswith((TMP, REPLACED)):
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("removed %s, left by an interrupted save", path)
+
+def _lock(root):
+    """An exclusive lock on root's .owner.json, which the kernel (or NFS's lock manager) releases once every
+    process holding the file open is gone: no run id, pid or age is guessed at. Writes who holds it."""
     os.makedirs(root, exist_ok=True)
     owner = os.open(os.path.join(root, OWNER), os.O_RDWR | os.O_CREAT, 0o644)
     try:  # relies on the file system's locks (NFS with locking, Lustre -o flock); one of two takers at once wins
         fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        previous = os.read(owner, 4096).decode(errors="replace")
-        steps = _steps(root)
-        if steps and root not in _base:  # a run that loaded nothing would start over, moving every step aside
-            raise CheckpointError(f"{root} holds checkpoints up to {step_dir(root, steps[-1])}, and this run loaded "
-                                  "none of them: load() the root before check_root() and save(), or use another root")
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
-              "started": datetime.datetime.now().isoformat(timespec="seconds")}
-        os.ftruncate(owner, 0)
-        os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the runs it refuses
     except BlockingIOError:
         holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
         os.close(owner)
         raise CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
                               "or use another root (load() takes no claim: an evaluation job can read it).") from None
     except BaseException:  # ENOLCK on a file system without locks, say: the README lists those it relies on
-        os.close(owner)  # releases the lock, if taken: this run does not hold the root
+        os.close(owner)
         raise
+    previous = os.read(owner, 4096).decode(errors="replace")
     if previous:
         log.warning("taking over %s from %s: nothing holds its lock, so that run is gone", root, previous)
-    _locks[root] = owner
-    for name in os.listdir(root):  # left by a run that is gone: no other run writes here
-        if name.startswith(TMP):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            log.warning("removed %s, left by an interrupted save", os.path.join(root, name))
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(owner, 0)
+    os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the runs it refuses
+    return owner
+
+def _release_in_child():  # after os.fork(), in the child: its copy of the lock's file would keep the lock held
+    for owner in _locks.values():
+        os.close(owner)
+    _locks.clear()

@@ -268,7 +268,7 @@ def train(args, device, rank, world):
         say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: "
             "starting from step 0")
     try:  # after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this run did not load
-        ckpt.check_root(args.ckpt_dir, timeout=args.ckpt_timeout)  # (a forgotten --resume) fail now, not at a save
+        ckpt.check_root(args.ckpt_dir, model, timeout=args.ckpt_timeout)  # (a forgotten --resume) fail now, not at a save
     except ckpt.CheckpointError as e:
         raise SystemExit(f"train_fsdp.py: CheckpointError: {e}") from None  # the message, not a traceback per rank
     if state.step == 0 and args.init_from:

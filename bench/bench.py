@@ -197,7 +197,7 @@ def worker(args):
 
     def claimed(name):  # new checkpoints' paths; ckpt refuses a fresh start on a root holding commits
         paths = where(args.work, args.phase, name)
-        ckpt.check_root(paths[0])  # untimed, as a training script does at start-up: claims the root
+        ckpt.check_root(paths[0], model)  # untimed, as a training script does at start-up: claims the root
         return paths
 
     if args.phase in ("big", "many", "tiny"):  # rounds of saves, then rounds of loads of the last round's saves

@@ -357,8 +357,8 @@ def dead_pid():
 
 
 # Another run, in a plain process (no process group): it claims root as train_fsdp.py's check_root() does.
-HOLDER = """import sys; sys.path.insert(0, sys.argv[2]); import ckpt
-ckpt.check_root(sys.argv[1]); print("held", flush=True); sys.stdin.read()"""
+HOLDER = """import sys, torch; sys.path.insert(0, sys.argv[2]); import ckpt
+ckpt.check_root(sys.argv[1], torch.nn.Linear(1, 1)); print("held", flush=True); sys.stdin.read()"""
 
 
 LIVE = {}  # the live run's model and optimizer, for live_goes_on()
@@ -368,7 +368,7 @@ def scen_hold_live(root):
     """This job becomes the live run on args.live_root: it claims it and saves step 1, then tells the test."""
     root = args.live_root
     model, opt = make()
-    ckpt.check_root(root, timeout=HOUR)
+    ckpt.check_root(root, model, timeout=HOUR)
     train(model, opt, 1)
     out = {"save1": os.path.basename(ckpt.save(root, 1, model, opt, timeout=HOUR)), "owner": owner_file(root),
            "my_pid": PID0, "listing": listing(root)}
@@ -419,7 +419,7 @@ def scen_foreign_live_claim(root):
     before, owner_before = listing(root), owner_file(root)
     fresh, fresh_opt = make(seed=4)
     out = {"other_pid": other[0], "owner": owner_before, "listing_before": before,
-           "check_root": expect_failure(lambda: ckpt.check_root(root, timeout=HOUR)),
+           "check_root": expect_failure(lambda: ckpt.check_root(root, model, timeout=HOUR)),
            "save": expect_failure(lambda: ckpt.save(root, 5, model, opt, timeout=HOUR))}
     out["load_root"] = expect_failure(lambda: out.update(step_root=ckpt.load(root, fresh, None, timeout=HOUR)))
     out["weights_root"] = weights(fresh)
@@ -458,12 +458,12 @@ def scen_training_claims(root):
     train(model, opt, 3)
     out["save3"] = expect_failure(lambda: ckpt.save(root, 3, model, opt, timeout=HOUR))
     out["owner_after_save"] = owner_file(root)
-    out["check_root"] = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
+    out["check_root"] = expect_failure(lambda: ckpt.check_root(root, model, timeout=HOUR))
     out["owner_after_check_root"] = owner_file(root)
     out["listing"] = listing(root)
     out["my_pid"], out["host"] = PID0, HOST
     # A run that loaded nothing from a root holding another run's steps: a forgotten resume, refused.
-    out["fresh_check_root"] = expect_failure(lambda: ckpt.check_root(fresh_root, timeout=HOUR))
+    out["fresh_check_root"] = expect_failure(lambda: ckpt.check_root(fresh_root, model, timeout=HOUR))
     out["fresh_save"] = expect_failure(lambda: ckpt.save(fresh_root, 1, model, opt, timeout=HOUR))
     out["fresh_listing"] = listing(fresh_root)
     out["fresh_lock_free"] = lock_is_free(fresh_root) if RANK == 0 else None  # one prober: ranks would race
@@ -481,10 +481,10 @@ def scen_dead_owner(root):
         os.makedirs(os.path.join(root, "lost+found"))
     dist.barrier()
     LOG.take()
-    r = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
+    model, opt = make()
+    r = expect_failure(lambda: ckpt.check_root(root, model, timeout=HOUR))
     log_lines = LOG.take("taking over", "removed")
     after_check = listing(root)
-    model, opt = make()
     saved = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR))
     return {"check_root": r, "log": log_lines, "owner": owner_file(root), "my_pid": PID0,
             "after_check": after_check, "save": saved, "after_save": listing(root)}
@@ -499,7 +499,7 @@ def scen_stale_owner(root):
         sub = root + "-" + name  # a root each: this job's claim stays until close()
         stale_owner(sub, text)
         LOG.take()
-        out[name] = expect_failure(lambda: ckpt.check_root(sub, timeout=HOUR))
+        out[name] = expect_failure(lambda: ckpt.check_root(sub, make()[0], timeout=HOUR))
         out[name]["log"] = LOG.take("taking over")
         out[name]["owner"] = owner_file(sub)
     return out
@@ -514,7 +514,7 @@ def scen_foreign_entries(root):
             f.write(b"data")
     dist.barrier()
     model, opt = make()
-    out = {"check_root": expect_failure(lambda: ckpt.check_root(root, timeout=HOUR)),
+    out = {"check_root": expect_failure(lambda: ckpt.check_root(root, model, timeout=HOUR)),
            "save": expect_failure(lambda: ckpt.save(root, 1, model, opt, keep=1, timeout=HOUR))}
     train(model, opt, 2)
     out["save2"] = expect_failure(lambda: ckpt.save(root, 2, model, opt, keep=1, timeout=HOUR))
@@ -716,11 +716,11 @@ def scen_args_rng(root):
     return mismatch(root, rng=(True, False))
 
 
-def scen_args_load_rng(root):
+def scen_args_load_verify(root):
     model, opt = make()
     ckpt.save(root, 1, model, opt, timeout=HOUR)
-    r = expect_failure(lambda: ckpt.load(root, model, opt, rng=(True, False)[RANK], timeout=HOUR))
-    return {**r, "mine": {"rng": (True, False)[RANK]}, **recover(root, model, opt, None, 2, load_too=True)}
+    r = expect_failure(lambda: ckpt.load(root, model, opt, verify=(True, False)[RANK], timeout=HOUR))
+    return {**r, "mine": {"verify": (True, False)[RANK]}, **recover(root, model, opt, None, 2, load_too=True)}
 
 
 # ------------------------------------------------------------------------------------------ 4. smaller ones
@@ -736,7 +736,7 @@ def scen_big_step(root):
     train(model, opt, 2)
     out["save2"] = os.path.basename(ckpt.save(root, 10**8 + 1, model, opt, keep=1, timeout=HOUR))
     w2 = weights(model)
-    out["check_root"] = expect_failure(lambda: ckpt.check_root(root, timeout=HOUR))
+    out["check_root"] = expect_failure(lambda: ckpt.check_root(root, model, timeout=HOUR))
     out["committed_steps"] = ckpt.committed_steps(root)
     fresh, fresh_opt = make(seed=4)
     out["load_root"] = ckpt.load(root, fresh, fresh_opt, timeout=HOUR)
@@ -874,7 +874,7 @@ ORDER = [
     "save_user_state_dict", "save_prepare_rank0", "save_shared_storage", "save_write_data", "save_checksum",
     "load_choose_rank0", "load_hash", "load_read_metadata", "load_read_data", "load_set_state_dict",
     "load_user_load_state_dict", "retention_cannot_delete",
-    "args_async_save", "args_keep", "args_rng", "args_load_rng",
+    "args_async_save", "args_keep", "args_rng", "args_load_verify",
     "big_step", "interrupted_wait", "save_after_failed_load",
     "timeout_recovery", "timeout_first_save", "timeout_async",
     "save_stage_async",  # last: a hang here (watchdog) loses no other scenario

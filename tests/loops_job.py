@@ -364,13 +364,13 @@ def plain_load(d):
     sched = torch.optim.lr_scheduler.StepLR(opts[0], step_size=2, gamma=0.5)
     try:  # the README's order: load (resume), then check_root (claim)
         step = ckpt.load(root, model, opts, {"sched": sched, "position": Box({})}) or 0
-        ckpt.check_root(root)
+        ckpt.check_root(root, model)
         res["readme_order"] = {"step": step, "dweights": diff(ref["weights"], weights(model)), "error": None}
     except ckpt.CheckpointError as e:
         res["readme_order"] = {"step": None, "error": str(e)}
     ckpt.close()
     try:  # the other order, on the same root: refused, saying how to resume
-        ckpt.check_root(root)
+        ckpt.check_root(root, model)
         res["claim_first"] = None
     except ckpt.CheckpointError as e:
         res["claim_first"] = str(e)

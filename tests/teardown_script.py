@@ -38,7 +38,7 @@ def train(args, rank):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     print(f"rank {rank}: threads before ckpt {threads()}", flush=True)
     if args.ckpt:
-        ckpt.check_root(args.ckpt)
+        ckpt.check_root(args.ckpt, model)
     for step in range(1, STEPS + 1):
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step * 2 + rank))
         model(x).square().mean().backward()

@@ -473,9 +473,9 @@ def test_retention_failure_keeps_the_save(jobs):
 
 @pytest.mark.parametrize("name, key, values", [("args_async_save", "async_save", (True, False)),
                                                ("args_keep", "keep", (5, 7)), ("args_rng", "rng", (True, False)),
-                                               ("args_load_rng", "rng", (True, False))])
+                                               ("args_load_verify", "verify", (True, False))])
 def test_different_arguments(jobs, name, key, values):
-    """save()/load() given a different async_save/keep/rng on the two ranks: both ranks fail at once, the
+    """save()/load() given a different async_save/keep/rng/verify on the two ranks: both ranks fail at once, the
     error naming each rank's value; nothing is written; the next save works. Guards against ranks taking
     different collective paths (a hang until the timeout) or a checkpoint written half one way, half the other."""
     res = scenario(jobs, name)
@@ -485,7 +485,7 @@ def test_different_arguments(jobs, name, key, values):
     parts = dict(re.findall(r"rank (\d+): (.*?)(?=; rank \d+: |$)", msg, flags=re.S))
     for rank, value in enumerate(values):
         assert f"{key}={value}" in parts.get(str(rank), ""), f"rank {rank}'s {key} not named"
-    if name != "args_load_rng":
+    if name != "args_load_verify":
         assert res[0]["committed_after_failure"] == [] and res[0]["listing_after_failure"] == []
     assert all(x["save_after"] == "step-00000002" and "recover_error" not in x for x in res)
 

@@ -178,17 +178,17 @@ def test_numpy_values_are_refused_at_save(tmp_path):
     assert "extra.data.pos.array" in refused[".pos.array"] and "extra.data.scalar" in refused[".scalar"]
 
 
-def test_generators_saved_by_one_rank_are_kept_per_rank(tmp_path):
-    """At world size 1 a generator seeded per rank cannot be told from one seeded alike, so the random generators
-    are stored per rank: resumed at another world size they are left as each process seeded them (with a warning)
-    instead of handing every rank the one saved stream. Guards against identical dropout masks on every rank after
-    growing a one-process run."""
+def test_generators_are_stored_per_rank(tmp_path):
+    """The random generators are stored per rank at every world size, one plain process included: each rank's
+    stream is its own. Resumed at another world size they are left as each process seeded them (with a warning)
+    instead of handing every rank one saved stream. Guards against identical dropout masks on every rank after
+    growing a one-process run, and against a rule that guesses from the values whether streams are per rank."""
     model, opt = make()
     ckpt.save(str(tmp_path), 1, model, opt)
-    extras = ckpt.read_manifest(ckpt.step_dir(str(tmp_path), 1))["objects"]
-    print(f"\nper rank at world size 1: {({n: e['per_rank'] for n, e in extras.items()})}")
-    assert {n for n in extras if n.startswith("extra.rng.")} == {"extra.rng.torch", "extra.rng.python"}
-    assert all(e["per_rank"] for n, e in extras.items() if n.startswith("extra.rng."))
+    keys = sorted(ckpt.read_metadata(ckpt.step_dir(str(tmp_path), 1)).state_dict_metadata)
+    generators = [k for k in keys if ".rng." in k]
+    print(f"\ngenerator keys at world size 1: {generators}")
+    assert generators == ["rank.0.extra.rng.python", "rank.0.extra.rng.torch"]
 
 
 def test_refused_dict_key_names_its_extra(tmp_path):
@@ -415,7 +415,7 @@ def test_several_optimizers_load_at_world_size_1(job):
     ref = torch.load(os.path.join(job["out_dir"], "multi_opt_ref.pt"), weights_only=True)
     model = state_job.build(seed=1)
     opts = state_job.muon_adamw(model)
-    assert ckpt.load(job["multi_opt"][0]["path"], model, opts, rng=False) == state_job.N
+    assert ckpt.load(job["multi_opt"][0]["path"], model, opts) == state_job.N
     names = {p: n for n, p in model.named_parameters()}
     state = {f"{names[p]}.{k}": v for opt in opts for p, s in opt.state.items() for k, v in s.items()}
     params = {n: p for n, p in model.named_parameters()}
@@ -444,9 +444,9 @@ def test_lazy_ema_comes_back_as_dtensors(job):
         assert res["dloss"] == 0 and res["ema_diff_end"] == 0
         # Each shadow tensor follows the parameter of its own name (not merely one laid out alike), so it reshards
         # with it if that parameter alone changes its layout.
-        followed = {key.removeprefix("extra.ema.shadow."): fqn for key, fqn in res["like"].items()}
-        print(f"rank {r}: shadow -> parameter it follows: {followed}")
-        assert followed == {n: n for n in res["param_placements"]}
+        followed = [key.removeprefix("extra.ema.shadow.") for key in res["tensor_keys"]]
+        print(f"rank {r}: the shadows' keys name the parameters they follow: {followed}")
+        assert followed == sorted(res["param_placements"])
 
 
 def test_optimizer_in_extra_before_its_first_step(job):
@@ -468,18 +468,19 @@ def test_optimizer_in_extra_before_its_first_step(job):
 
 
 def test_extra_mixing_dtensors_and_plain_values(job):
-    """An extra holding DTensors (in a dict, a list, a tuple), plain tensors and a value that differs per rank:
-    stored per rank, it comes back exactly, each leaf of the type, placements, dtype and device it was, each rank
-    its own value. Guards against DTensors flattened to plain tensors, plain ones sharded, or one rank's value
-    given to every rank."""
+    """An extra holding DTensors keyed by their parameters' names (in a dict, a list, a tuple) and plain tensors,
+    beside a ckpt.PerRank extra whose values differ per rank: each comes back exactly, each leaf of the type,
+    placements, dtype and device it was, each rank its own value of the PerRank one. Guards against DTensors
+    flattened to plain tensors, plain ones sharded, or one rank's value given to every rank."""
     for r, res in enumerate(scenario(job, "mixed_extra")):
         leaves = {k: (v["loaded"]["type"], v["loaded"]["placements"], v["diff"]) for k, v in res["leaves"].items()}
-        print(f"\nrank {r}: manifest {res['manifest_entry']}; leaves {leaves}; rank value {res['rank_value']}; "
+        print(f"\nrank {r}: keys {res['keys']}; leaves {leaves}; rank value {res['rank_value']}; "
               f"problems {res['problems']}")
         assert res["loaded"] == 1 and res["problems"] == [] and res["rank_value"] == r
-        assert res["manifest_entry"]["per_rank"] is True
-        assert sorted(res["manifest_entry"]["like"]) == ["extra.mixed.dt", "extra.mixed.nested.0", "extra.mixed.tup.0"]
-        assert [k for k, v in leaves.items() if v[0] == "DTensor"] == [".dt", ".nested.0", ".tup.0"]
+        assert res["keys"] == ["extra.mixed", "extra.mixed.a.weight", "extra.mixed.nested.0.b.weight",
+                               "extra.mixed.tup.0.norm.weight", "rank.0.extra.own", "rank.1.extra.own"]
+        assert [k for k, v in leaves.items() if v[0] == "DTensor"] == [
+            ".shared.a.weight", ".shared.nested.0.b.weight", ".shared.tup.0.norm.weight"]
         assert len(leaves) == 6 and all(v[2] == 0 for v in leaves.values())
 
 
@@ -491,7 +492,7 @@ def test_dtensor_laid_out_like_no_parameter_is_refused(job):
     for case in ("replicated", "reshaped"):
         per_case = [r[case] for r in res]
         msg = refused_everywhere(per_case, "save() failed on 2 rank(s)", f"extra.{case}.w is a DTensor",
-                                 "laid out like no parameter")
+                                 "names no parameter laid out like it")
         print(f"\n{case}: {msg[:260]}; root after: {[r['listing'] for r in per_case]}")
         assert all(r["listing"] == [] and r["committed"] == [] for r in per_case)
 
@@ -508,7 +509,7 @@ def test_optimizer_state_beyond_tensors(job):
               f"after load (max |diff|, None kept None): {x['sgd']['buffers']}")
         assert x["sgd"]["raised"] is None and x["sgd"]["loaded"]["raised"] is None and x["sgd"]["none_kept"]
         assert x["sgd"]["buffers"] == {"b.bias": 0.0, "b.weight": None, "norm.bias": 0.0, "norm.weight": 0.0}
-    lbfgs = refused_everywhere([r["lbfgs"] for r in res], "optim.0.state.", "laid out like no parameter")
+    lbfgs = refused_everywhere([r["lbfgs"] for r in res], "optim.0.state.", "names no parameter laid out like it")
     print(f"LBFGS: {lbfgs[:300]}\nLBFGS state: {res[0]['lbfgs']['state_types']}")
     assert all(r["lbfgs"]["step_error"] is None for r in res)
     assert all(r["lbfgs"]["listing"] == [] for r in res)
@@ -527,9 +528,9 @@ def test_model_of_another_dtype_is_refused(job):
 
 
 def test_optimizer_state_is_checked_after_load(job):
-    """A checkpoint whose manifest records another step for a parameter's optimizer state than its shards hold is
-    refused after the read, on every rank, naming the parameter and both. Guards against optimizer state restored
-    from the wrong step, or not at all, passing silently (the field's loss spike after a resume)."""
+    """An optimizer whose load_state_dict() leaves a parameter's state at another step than the one saved under
+    its name is refused after the read, on every rank, naming the parameter and both. Guards against optimizer
+    state restored from the wrong step, or not at all, passing silently (the field's loss spike after a resume)."""
     msg = refused_everywhere(scenario(job, "summary_mismatch"), "optimizer state of a.weight after loading",
                              "2.0", "7.0")
     print(f"\n{msg[:300]}")

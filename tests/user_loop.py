@@ -29,7 +29,8 @@ holds a OneCycleLR (or SequentialLR) scheduler, a GradScaler (disabled: enabled 
 script does not offer; its state_dict() is {}), an EMA of the sharded parameters (DTensors, built lazily at
 its first update, so that a resume loads into an EMA that holds no tensor yet), and the data stream: with
 --data per-rank (default) each rank draws from its own torch and numpy generators, so that state differs per
-rank and cannot move to another world size; with --data global sample i depends only on (seed, i), as in
+rank and cannot move to another world size (so it is passed as ckpt.PerRank(data)); with --data global sample
+i depends only on (seed, i), as in
 train_fsdp.py. ckpt refuses numpy values in extras (load() could not restore them without running code from
 the checkpoint): RankStream.state_dict() converts its numpy state to ints and tensors, load_state_dict() back.
 
@@ -296,7 +297,8 @@ torch.manual_seed(args.seed + 1 + dp_rank)  # dropout: per data-parallel rank, s
 random.seed(args.seed + 1 + dp_rank)  # unused, but saved like every generator: seeded, runs compare to the bit
 progress = Progress()
 ema = EMA(model, args.ema_decay)
-extra = {"sched": scheduler, "scaler": scaler, "data": data, "progress": progress, "ema": ema}
+position = ckpt.PerRank(data) if args.data == "per-rank" else data  # this rank's own: say so (stored per rank)
+extra = {"sched": scheduler, "scaler": scaler, "data": position, "progress": progress, "ema": ema}
 
 
 def dump(kind):
@@ -322,7 +324,7 @@ try:
         found = ckpt.load(args.ckpt_dir, model, optimizer, loaded)  # None: nothing saved yet, start at 0
         if found is not None and args.dump_state:
             dump("loaded")
-    ckpt.check_root(args.ckpt_dir)  # after load(): a root holding checkpoints this run did not load is refused
+    ckpt.check_root(args.ckpt_dir, model)  # after load(): a root holding checkpoints this run did not load is refused
     while progress.step < args.steps:
         progress.step += 1
         seqs = data.next(batch // dp_size)
