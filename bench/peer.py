@@ -11,12 +11,14 @@ requires torch>=2.11, numpy, safetensors and typing_extensions, all already here
 One torchrun launch (2 ranks, gloo, CPU) builds bench.py's big model (train_fsdp's at --dim 1024 --n-layers 8,
 one AdamW step) and saves the same state each way: get_state_dict(model, optimizer) for plain DCP and the peer,
 ckpt.save(root, step, model, optimizer) for ckpt.py. Per round, each save once into a new directory, in an order
-rotated by one each round; then rounds of loads of the last round's saves, each from a cold page cache. A time is
-the slowest rank's; the table shows the median over rounds. An async save's "blocked" ends when the caller may
-change the parameters again (ckpt.py, DCP: save() returned; the peer: save() returned and `with manager.lock()`
-passed, its staging done), its "written" when its future is done. Before the rounds, untimed: every save once, each
-load once into zeroed state, checked bit for bit against the state saved, and the peer's defaults tried (O_DIRECT
-writes, a resharder), their errors printed.
+rotated by one each round; then rounds of loads of the last round's saves, each from a cold page cache. Before each
+operation, untimed, os.sync(): a save that does not fsync leaves its bytes dirty in the page cache, and their
+writeback would otherwise slow the next operation instead of its own. A time is the slowest rank's; the table shows
+the median over rounds. An async save's "blocked" ends when the caller may change the parameters again (ckpt.py,
+DCP: save() returned; the peer: save() returned and `with manager.lock()` passed, its staging done), "written" when
+its future is done. Before the rounds, untimed but shown as "first call": every save once (the peer's async manager
+is made by its first save, which starts its writer process); then each load once into zeroed state, checked bit for
+bit against the state saved, and the peer's defaults tried (O_DIRECT writes, a resharder), their errors printed.
 """
 
 import argparse
@@ -183,6 +185,8 @@ def worker(args):
                 "peer load": lambda: peer_load(path("peer"))}
 
     def run(name, fn):  # seconds until fn returned (blocked) and until what it returned, if callable, is done
+        if rank == 0:  # untimed: the bytes an earlier save left dirty (the peer's) are written back now, not during fn
+            os.sync()
         dist.barrier()
         t0 = time.perf_counter()
         wait = fn()
