@@ -55,8 +55,10 @@ def test_quick_start_runs_as_shown(tmp_path):
     for name in ("train_fsdp.py", "ckpt.py", "consolidate.py"):
         os.symlink(os.path.join(REPO, name), tmp_path / name)
     output = ""
-    for command in commands:
-        _, out = run(shlex.split(command), timeout=300, cwd=str(tmp_path))
+    for command in commands:  # this interpreter's torchrun and python, not whichever PATH finds first
+        argv = shlex.split(command)
+        argv[:1] = [sys.executable, "-m", "torch.distributed.run"] if argv[0] == "torchrun" else [sys.executable]
+        _, out = run(argv, timeout=300, cwd=str(tmp_path))
         output += out
     expected = [line.strip() for line in shown.splitlines() if line.strip().startswith(("step ", "resumed"))]
     printed = {re.sub(r"\|[^|]*tok/s", "", line).strip() for line in output.splitlines()}
