@@ -46,7 +46,7 @@ def preempted(d, name, delivery, resume, env=None):
     ev.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", FAULT="preempt", FAULT_RANK="all", FAULT_STEP="2", FAULT_DELAY="0.3",
                FAULT_DIR=str(ev), STATUS_DIR=str(ev), **(env or {}))
-    args = [*ARGS, "--ckpt-dir", str(d / "ckpt"), "--log-file", str(ev / "log.jsonl")] + (["--resume"] if resume else [])
+    args = [*ARGS, "--ckpt-dir", str(d / "ckpt"), "--log-file", str(ev / "log.jsonl")] + ["--resume"] * resume
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", STATUS, INJECT, *args]
     with open(ev / "output.txt", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
