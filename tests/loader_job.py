@@ -1,12 +1,14 @@
 """One rank of a data-loading job for tests/test_dataloaders.py: the README's data recipes, with ckpt.
 
     python tests/loader_job.py RECIPES ROOT STEPS [--stop-after K] [--resume] [--global-batch B] [--keep-loader]
+                                                  [--forget-position]
 
 RECIPES is a module holding the README's Position, SkippingSampler and ignore_sigterm. The data set is the numbers
 0-23; a global batch of 8 makes 3 steps an epoch. The loader is torchdata's StatefulDataLoader (2 workers) in the
 extras as "loader", left out of the load at another world size as the README's recipe does (--keep-loader: passed
-anyway). Each step's batch of every rank is gathered; rank 0 prints RESULT {"batches": {step: [rank 0's, ...]},
-"resumed": step or None} or RESULT {"error": message} if the load failed.
+anyway; --forget-position, a control: the position is not loaded, as by a loop that forgets it). Each step's batch
+of every rank is gathered; rank 0 prints RESULT {"batches": {step: [rank 0's, ...]}, "resumed": step or None}, or
+RESULT {"error": message} if the load failed.
 """
 
 import argparse
@@ -30,6 +32,7 @@ p.add_argument("--stop-after", type=int)
 p.add_argument("--resume", action="store_true")
 p.add_argument("--global-batch", type=int, default=8)
 p.add_argument("--keep-loader", action="store_true")
+p.add_argument("--forget-position", action="store_true")
 args = p.parse_args()
 spec = importlib.util.spec_from_file_location("recipes", args.recipes)
 recipes = importlib.util.module_from_spec(spec)
@@ -52,8 +55,10 @@ try:
         found = ckpt.find_checkpoint(args.root)
         resized = found is not None and ckpt.read_manifest(found)["world_size"] != world
         keep = args.keep_loader or not resized
-        step = result["resumed"] = ckpt.load(args.root, model, optimizer,
-                                             {k: v for k, v in extra.items() if k != "loader" or keep}) or 0
+        dropped = {"loader"} if not keep else set()
+        dropped |= {"data"} if args.forget_position else set()
+        loaded = {k: v for k, v in extra.items() if k not in dropped}
+        step = result["resumed"] = ckpt.load(args.root, model, optimizer, loaded) or 0
     data = position.batches(loader)
     batches = {}
     while step < (args.stop_after or args.steps):
