@@ -270,6 +270,13 @@ def train(args, device, rank, world):
         if found is None and args.resume_from:  # a rollback must not quietly start over
             raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
         say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: step 0")
+    # From the restored position (step s's global batch: samples + s*B ... + B - 1; rank r of W takes its r-th B/W, so
+    # any W reads the same), its workers forked before check_root's claim: they would share its lock (flock), and hold
+    # it seconds after a SIGKILL of their rank. Its own generator: else iter() draws from torch's (dropout would shift).
+    per_rank = args.batch_size // world
+    shares = ([*range(i, i + per_rank)] for i in itertools.count(state.samples + rank * per_rank, args.batch_size))
+    data = iter(torch.utils.data.DataLoader(dataset, batch_sampler=shares, num_workers=args.num_workers,
+                                            worker_init_fn=ignore_sigterm, generator=torch.Generator()))
     try:  # after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this run did not load
         ckpt.check_root(args.ckpt_dir, timeout=args.ckpt_timeout)  # (a forgotten --resume) fail now, not at a save
     except ckpt.CheckpointError as e:
@@ -277,15 +284,8 @@ def train(args, device, rank, world):
     if state.step == 0 and args.init_from:
         init_from(model, args.init_from, rank)
         say(f"initialized weights from {args.init_from}")
-
     sigterm = {"received": 0.0}  # SIGTERM (preemption) only sets it; the step's all-reduce makes every rank see it
     signal.signal(signal.SIGTERM, lambda *_: sigterm.update(received=1.0))
-    # From the position the load restored, step s's global batch is samples + s*B ... + B - 1; rank r of W takes the
-    # r-th B/W of it, so any W reads the same batches. Its own generator: else iter() draws from torch's (dropout).
-    per_rank = args.batch_size // world
-    shares = ([*range(i, i + per_rank)] for i in itertools.count(state.samples + rank * per_rank, args.batch_size))
-    data = iter(torch.utils.data.DataLoader(dataset, batch_sampler=shares, num_workers=args.num_workers,
-                                            worker_init_fn=ignore_sigterm, generator=torch.Generator()))
     done = state.step >= args.steps
     while not done:
         t0 = time.time()
