@@ -20,6 +20,16 @@
 #   NCCL_IB_HCA=mlx5_0          which InfiniBand adapters NCCL uses;  NCCL_DEBUG=INFO shows its choice
 # The nodes must also resolve each other's hostnames and reach any TCP port: the ranks meet at a
 # fresh port on the node holding global rank 0, by its hostname (torchrun --local-addr overrides).
+#
+# Grace: after it forwards a SIGTERM to the ranks, torchrun waits --shutdown-timeout seconds (its
+# default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30), then SIGKILLs them, whatever time the scheduler
+# gives: a step and a final save longer than that are lost. SHUTDOWN_TIMEOUT=seconds sets it. Under
+# SLURM it defaults to SLURM's grace: KillWait (`scontrol show config`: the wait between SIGTERM and
+# SIGKILL at the time limit or a scancel) plus the partition's GraceTime (`scontrol show partition`:
+# the extra time of a preempted job). Set it yourself for what SLURM does not say: with
+# `sbatch --signal=TERM@S` (the signal comes S seconds before the end) SHUTDOWN_TIMEOUT=$((S + KillWait));
+# a QOS's GraceTime. A larger value costs nothing when the ranks exit on time; when one hangs, torchrun
+# waits that long after a failure too.
 set -euo pipefail
 
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
@@ -39,6 +49,14 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     # unless their ids are equal modulo 1000, and so do steps 0-11 of one job.
     MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 1000 * 12 + STEP % 12))}
     NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
+    if [[ -z "${SHUTDOWN_TIMEOUT:-}" ]]; then  # SLURM's grace; "|| true": a failed scontrol leaves the default
+        KILL_WAIT=$(scontrol show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9]*\).*/\1/p' || true)
+        GRACE_TIME=$(scontrol show partition "${SLURM_JOB_PARTITION:-}" 2>/dev/null \
+                     | sed -n 's/.*GraceTime=\([0-9]*\).*/\1/p' || true)
+        if [[ -n "$KILL_WAIT" ]]; then
+            SHUTDOWN_TIMEOUT=$((KILL_WAIT + ${GRACE_TIME:-0}))
+        fi
+    fi
 fi
 
 # The caller's python, so an activated virtualenv is the one that runs torchrun and the ranks.
@@ -56,6 +74,8 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 # Names this job at the rendezvous; identical on all nodes, distinct for jobs sharing an endpoint.
 RDZV_ID=${RDZV_ID:-train_fsdp}
+# Seconds torchrun gives the ranks to save and exit after a SIGTERM, before its SIGKILL (see the header).
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-30}}
 
 # is_host says outright which node serves the store: torchrun's own guess compares MASTER_ADDR with
 # the machine's hostname and addresses, which misfires with aliases and multi-homed nodes.
@@ -63,9 +83,8 @@ IS_HOST=$([[ "$NODE_RANK" == 0 ]] && echo 1 || echo 0)
 
 # exec: torchrun replaces this shell, so a SIGTERM sent to this pid (kill, a container runtime, a
 # scheduler's preemption) reaches torchrun rather than killing a shell in front of it; torchrun
-# forwards it to the ranks; train_fsdp.py then finishes the step, saves and exits. torchrun kills ranks
-# still running 30 s later (recent torch: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=seconds): raise it above one
-# step plus one save if yours take longer, and ask SLURM for the signal early (sbatch --signal=TERM@120).
+# forwards it to each rank's process group (DataLoader workers included: train_fsdp.py's outlive it);
+# train_fsdp.py then finishes the step, saves and exits, within SHUTDOWN_TIMEOUT.
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" \
     --nproc-per-node "$NPROC_PER_NODE" \
@@ -73,4 +92,5 @@ exec "$PYTHON" -m torch.distributed.run \
     --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
     --rdzv-id "$RDZV_ID" \
     --rdzv-conf "is_host=$IS_HOST" \
+    --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
     "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/train_fsdp.py" "$@"

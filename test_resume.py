@@ -15,12 +15,14 @@ Point it at your own training script to check your integration of ckpt.py:
 The script must accept --steps N (the length of the whole run, whose last step it saves), --stop-after K
 (save step K, exit 0), --resume (continue from the newest checkpoint in --ckpt-dir; start at step 0 if there
 is none), --ckpt-dir D and --log-file F, and append to F one JSON object per step from rank 0 with "step" and
-"loss". It runs 16 steps uninterrupted, then stopped after 6 and 11 and resumed twice. Every key of every line
-is compared, bit for bit: a key one run logs at a step and the other does not is a difference too. So log only
-what a resumed run must reproduce (no wall-clock times or throughput); a fingerprint of state that does not move
-the loss (an EMA, say) is worth logging. Every key of the two runs' final checkpoints (model, optimizer, extras,
-random generators) must be equal too; when only generators differ, the failure names them. The negative controls
-patch train_fsdp.py and run only on it.
+"loss". It runs 16 steps uninterrupted, then stopped after 6 and 11 and resumed twice. The uninterrupted loss
+must fall (step 16 below step 1), or a resume at the wrong step could pass: a script that cannot learn in 16 steps
+needs a fast setting in --args (a tiny model, a higher learning rate). Every key of every line is compared, bit
+for bit: a key one run logs at a step and the other does not is a difference too. So log only what a resumed run
+must reproduce (no wall-clock times or throughput); a fingerprint of state that does not move the loss (an EMA,
+say) is worth logging. Every key of the two runs' final checkpoints (model, optimizer, extras, random generators)
+must be equal too; when only generators differ, the failure names them. The negative controls patch train_fsdp.py
+and run only on it.
 """
 
 import argparse
@@ -64,11 +66,13 @@ def reference(tmp_path_factory):
     print(f"\nscript: {SCRIPT} on {NPROC} ranks, {' '.join(COMMON)}")
     launch(COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl")])
     log = read_log(d / "log.jsonl")
-    assert sorted(log) == list(range(1, STEPS + 1))
+    assert sorted(log) == list(range(1, STEPS + 1)), (f"the script logged steps {sorted(log)}: rank 0 must append one "
+                                                      f"JSON line per step 1..{STEPS} to --log-file")
     # The loss must visibly fall for the test to mean anything (a resume at the wrong step shows).
     losses = [log[s]["loss"] for s in sorted(log)]
-    assert losses[-1] < losses[0] - (0.5 if OURS else 0.0), \
-        f"the uninterrupted run did not train (loss at step {STEPS} not below step 1's): {losses}"
+    assert losses[-1] < losses[0] - (0.5 if OURS else 0.0), (
+        f"the uninterrupted run did not train (loss at step {STEPS} not below step 1's): {losses}. A resume at the "
+        "wrong step would pass unseen: pass a setting that learns in 16 steps with --args (a tiny model, a higher lr)")
     return log, d / "ckpt"
 
 
@@ -139,7 +143,8 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
     launch(args + ["--resume", "--stop-after", "11"])  # resumes at 6, stops mid-way between saves again
     launch(args + ["--resume"])                        # resumes at 11, runs to the end
     log = read_log(d / "log.jsonl")
-    assert sorted(log) == list(range(1, STEPS + 1))
+    assert sorted(log) == list(range(1, STEPS + 1)), (f"the runs logged steps {sorted(log)}: --stop-after K must save "
+                                                      "step K and exit 0, --resume continue from the newest checkpoint")
     keys = sorted(set().union(*reference.values(), *log.values()) - {"step"})
     # Figures for the keys that are numbers at every step of both runs; the others (a bool, a list) are compared only.
     measured = [k for k in keys if all(type(r.get(k)) in (int, float) for r in [*reference.values(), *log.values()])]
@@ -161,7 +166,8 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
     verb = "differs" if len(diff) == 1 else "differ"
     saved = len({PER_RANK.sub("", key) for key in want})
     print(f"final checkpoints of step {step}: {saved} keys, {len(diff)} {verb}{named}, max |dstate| = {worst:.3e}")
-    assert got_step == step == STEPS, f"the final checkpoints are of steps {step} and {got_step}, not {STEPS}"
+    assert got_step == step == STEPS, (f"the final checkpoints are of steps {step} and {got_step}, not {STEPS}: "
+                                       "the script must save its last step")
     assert not diff, advice(diff)
 
 

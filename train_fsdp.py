@@ -15,12 +15,15 @@ Parameter names follow Hugging Face Llama, so consolidate.py output loads in `tr
 import argparse
 import datetime
 import gc
+import glob
+import itertools
 import json
 import logging
 import math
 import os
 import random
 import signal
+import threading
 import time
 
 import torch
@@ -62,6 +65,7 @@ def get_args(argv=None):
     p.add_argument("--data", default=None, help="train on this file's bytes instead of the synthetic corpus")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences, split over ranks")
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank (0: none)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine decay to 10%%")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -81,8 +85,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
-        return self.weight * h.to(x.dtype)
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
 
 
 def rope(x, cos, sin):
@@ -143,34 +146,47 @@ class LlamaLM(nn.Module):
 
 
 def hf_config(args):  # the model's config.json, in the form `transformers` reads
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
             "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
-            "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.n_heads, "max_position_embeddings": args.seq_len,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": args.tie_embeddings,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+            "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads, "rope_theta": 10000.0,
+            "num_key_value_heads": args.n_heads, "max_position_embeddings": args.seq_len, "mlp_bias": False,
+            "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "torch_dtype": "float32"}
 
 
-def get_batch(args, corpus, samples_done, rank, world, device):
-    """This rank's share of the global batch that starts at global sample `samples_done`.
-    Sample i depends only on (seed, i), so any world size reads the same stream."""
-    if corpus is None:  # synthetic: sentences over 64 random "words" (from the seed); the loss falls as they are learnt
-        g = torch.Generator().manual_seed(args.seed)
+class Samples(torch.utils.data.Dataset):
+    """Item i: global sample i as (inputs, targets), from (seed, i) alone: any world size or worker reads the same."""
+
+    def __init__(self, args):
+        self.seed, self.n, self.corpus = args.seed, args.seq_len + 1, None
+        if args.data:
+            with open(args.data, "rb") as f:
+                self.corpus = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+            if len(self.corpus) <= self.n or args.vocab_size < 256:
+                raise SystemExit(f"--data needs more than {self.n} bytes and --vocab-size >= 256")
+        g = torch.Generator().manual_seed(args.seed)  # synthetic: sentences over 64 random "words", learnt as they come
         lengths = torch.randint(2, 7, (64,), generator=g).tolist()
-        words = [torch.randint(args.vocab_size, (n,), generator=g) for n in lengths]
-    n = args.seq_len + 1
-    first = samples_done + rank * (args.batch_size // world)
-    seqs = []
-    for i in range(first, first + args.batch_size // world):
-        g = torch.Generator().manual_seed(args.seed * 2**32 + i)
-        if corpus is not None:  # a random window of the file's bytes
-            start = torch.randint(len(corpus) - n, (1,), generator=g).item()
-            seqs.append(corpus[start : start + n].long())
-        else:
-            word_ids = torch.randint(len(words), (n,), generator=g)  # n words always cover n tokens
-            seqs.append(torch.cat([words[j] for j in word_ids.tolist()])[:n])
-    seqs = torch.stack(seqs).to(device)
-    return seqs[:, :-1], seqs[:, 1:]
+        self.words = [torch.randint(args.vocab_size, (n,), generator=g) for n in lengths]
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 2**32 + i)
+        if self.corpus is not None:  # a random window of the file's bytes
+            start = torch.randint(len(self.corpus) - self.n, (1,), generator=g).item()
+            seq = self.corpus[start : start + self.n].long()
+        else:  # n words always cover n tokens
+            seq = torch.cat([self.words[j] for j in torch.randint(len(self.words), (self.n,), generator=g).tolist()])
+        return seq[: self.n - 1], seq[1 : self.n]
+
+
+def ignore_sigterm(worker_id):
+    """worker_init_fn: a worker outlives the SIGTERM meant for its rank (torchrun signals the rank's process group,
+    SLURM every process), else the rank's next batch fails before it can save. Its rank's SIGTERM (Python's exit
+    terminates workers, then joins them: under SIG_IGN, a hang) still ends it, as torch's own handler does."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # here and in the thread below, which waits for it
+    def wait():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
+            pass
+        os._exit(0)
+    threading.Thread(target=wait, daemon=True).start()
 
 
 class TrainState:
@@ -211,9 +227,8 @@ def build_model(args, device):
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
     # bf16 is the compute dtype only: FSDP2 keeps the sharded parameters (what the optimizer steps and ckpt
     # saves) in fp32 and casts a copy at each all-gather; gradients are reduced in fp32.
-    mp = MixedPrecisionPolicy()
-    if args.mixed_precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    param_dtype, reduce_dtype = (torch.bfloat16, torch.float32) if args.mixed_precision == "bf16" else (None, None)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     # The root group holds embed_tokens, norm and lm_head: a tied embed_tokens/lm_head weight must live in a
@@ -225,14 +240,8 @@ def build_model(args, device):
 def init_from(model, path, rank):
     """Rank 0 reads the full safetensors weights; FSDP2 broadcasts and each rank keeps its shard."""
     full = {}
-    if rank == 0:
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):  # sharded: the index names the files
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]  # tensor name -> file
-            files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
-        else:  # one file, or a directory holding model.safetensors
-            files = [os.path.join(path, "model.safetensors") if os.path.isdir(path) else path]
+    if rank == 0:  # a file, or a directory of model.safetensors or numbered model-0000i-of-0000N.safetensors
+        files = sorted(glob.glob(os.path.join(path, "model*.safetensors"))) if os.path.isdir(path) else [path]
         for file in files:
             full.update({name: tensor.float() for name, tensor in load_file(file).items()})
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -250,12 +259,7 @@ def train(args, device, rank, world):
         raise SystemExit(f"--hsdp {args.hsdp} does not divide the world size {world} (the mesh is R replicas x "
                          f"world/R shards): use one of {fits}")
     say = print if rank == 0 else (lambda *a, **k: None)
-    corpus = None
-    if args.data:
-        with open(args.data, "rb") as f:
-            corpus = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
-        if len(corpus) <= args.seq_len + 1 or args.vocab_size < 256:
-            raise SystemExit(f"--data needs more than {args.seq_len + 1} bytes and --vocab-size >= 256")
+    dataset = Samples(args)
     model = build_model(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
@@ -265,8 +269,14 @@ def train(args, device, rank, world):
         found = ckpt.load(args.resume_from or args.ckpt_dir, model, opt, extra, timeout=args.ckpt_timeout)
         if found is None and args.resume_from:  # a rollback must not quietly start over
             raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
-        say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: "
-            "starting from step 0")
+        say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: step 0")
+    # From the restored position (step s's global batch: samples + s*B ... + B - 1; rank r of W takes its r-th B/W, so
+    # any W reads the same), its workers forked before check_root's claim: they would share its lock (flock), and hold
+    # it seconds after a SIGKILL of their rank. Its own generator: else iter() draws from torch's (dropout would shift).
+    per_rank = args.batch_size // world
+    shares = ([*range(i, i + per_rank)] for i in itertools.count(state.samples + rank * per_rank, args.batch_size))
+    data = iter(torch.utils.data.DataLoader(dataset, batch_sampler=shares, num_workers=args.num_workers,
+                                            worker_init_fn=ignore_sigterm, generator=torch.Generator()))
     try:  # after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this run did not load
         ckpt.check_root(args.ckpt_dir, model, timeout=args.ckpt_timeout)  # (a forgotten --resume) fail now, not at a save
     except ckpt.CheckpointError as e:
@@ -274,17 +284,12 @@ def train(args, device, rank, world):
     if state.step == 0 and args.init_from:
         init_from(model, args.init_from, rank)
         say(f"initialized weights from {args.init_from}")
-
-    def report(path, t0):
-        size = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
-        say(f"checkpoint {path} | {size / 1e6:.1f} MB | {time.time() - t0:.2f} s")
-
     sigterm = {"received": 0.0}  # SIGTERM (preemption) only sets it; the step's all-reduce makes every rank see it
     signal.signal(signal.SIGTERM, lambda *_: sigterm.update(received=1.0))
     done = state.step >= args.steps
     while not done:
         t0 = time.time()
-        x, y = get_batch(args, corpus, state.samples, rank, world, device)
+        x, y = (t.to(device) for t in next(data))
         loss = F.cross_entropy(model(x).float().view(-1, args.vocab_size), y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -292,8 +297,7 @@ def train(args, device, rank, world):
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        state.step += 1
-        state.samples += args.batch_size
+        state.step, state.samples = state.step + 1, state.samples + args.batch_size  # the position moves by a step
         stats = torch.tensor([loss.item(), sigterm["received"]], device=device)  # one all-reduce for both
         dist.all_reduce(stats)
         mean_loss, preempted = stats[0].item() / world, stats[1].item() > 0
@@ -312,7 +316,8 @@ def train(args, device, rank, world):
                 say(f"checkpoint of step {state.step} staged, writing in the background "
                     f"({time.time() - t0:.2f} s blocked)")
             else:
-                report(out, t0)
+                size = sum(os.path.getsize(os.path.join(out, name)) for name in os.listdir(out))
+                say(f"checkpoint {out} | {size / 1e6:.1f} MB | {time.time() - t0:.2f} s")
         if preempted:
             say("preempted (SIGTERM on some rank): checkpoint saved, exiting")
     return 0
@@ -336,8 +341,7 @@ def main(argv=None):
         try:
             ckpt.close()  # commits a save in flight, releases the root, ends ckpt's thread and process groups
         finally:
-            # FSDP2's gloo worker threads outlive destroy_process_group(); one still releasing a collective from
-            # backward needs the GIL, and at shutdown dies mid-destructor (SIGABRT): gc.collect() gives it that time.
+            # gc first: a gloo thread of FSDP2 still releasing a collective of backward needs the GIL (else: SIGABRT)
             gc.collect()
             dist.destroy_process_group()
 

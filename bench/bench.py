@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import default_collate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # ckpt.py and train_fsdp.py
@@ -138,9 +139,10 @@ def build(args, world):
         targs = train_fsdp.get_args(["--dim", str(args.dim), "--n-layers", str(args.n_layers), "--seq-len", "16",
                                      "--batch-size", str(world), "--dropout", "0"])
         model = train_fsdp.build_model(targs, cpu)
+        samples = train_fsdp.Samples(targs)
 
         def loss(step):
-            inputs, labels = train_fsdp.get_batch(targs, None, step * world, dist.get_rank(), world, cpu)
+            inputs, labels = default_collate([samples[step * world + dist.get_rank()]])  # one per rank
             return F.cross_entropy(model(inputs).view(-1, targs.vocab_size), labels.reshape(-1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

@@ -19,7 +19,9 @@ Faults, in the order of a save (ckpt.py's docstring: 4. write, 5. commit, 6. ret
     slow_write          write_data sleeps FAULT_DELAY seconds first
     hold_write          write_data waits until the test creates FAULT_DIR/release (at most 60 s)
     preempt             every rank sleeps FAULT_DELAY after each training step; after FAULT_STEP training steps of
-                        this process the target rank writes ready.<rank> so the test can SIGTERM it
+                        this process the target rank writes ready.<rank> so the test can SIGTERM it. With
+                        FAULT_WORKERS=take_sigterm (a control), DataLoader workers get no worker_init_fn: they keep
+                        SIGTERM's default action, death
 
 Evidence for the test goes to FAULT_DIR: pid.<rank>, fired.<rank> (the fault happened, so a passing test really
 exercised it), error.<rank> (the exception a rank died with) and exit.<rank> (the exit code of a rank that returned).
@@ -188,6 +190,17 @@ if FAULT == "preempt":
         time.sleep(DELAY)  # slows the run so that a signal from outside lands during training, not after it
 
     register_optimizer_step_post_hook(after_step)
+
+    if os.environ.get("FAULT_WORKERS") == "take_sigterm":
+        import torch.utils.data
+
+        real_init = torch.utils.data.DataLoader.__init__
+
+        def without_worker_init(self, *args, **kwargs):
+            kwargs.pop("worker_init_fn", None)
+            real_init(self, *args, **kwargs)
+
+        torch.utils.data.DataLoader.__init__ = without_worker_init
 
 note("pid", os.getpid())
 sys.argv = [TRAIN] + sys.argv[1:]

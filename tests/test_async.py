@@ -180,6 +180,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.staging import DefaultStager
+from torch.utils.data import default_collate
 import ckpt, train_fsdp
 
 dist.init_process_group("gloo")
@@ -207,7 +208,8 @@ def build(steps):
     model = train_fsdp.build_model(args, cpu)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for i in range(steps):
-        x, y = train_fsdp.get_batch(args, None, i * args.batch_size, rank, world, cpu)
+        first = i * args.batch_size + rank * args.batch_size // world  # this rank's share of global batch i
+        x, y = default_collate([train_fsdp.Samples(args)[j] for j in range(first, first + args.batch_size // world)])
         F.cross_entropy(model(x).view(-1, args.vocab_size), y.reshape(-1)).backward()
         opt.step()
         opt.zero_grad()

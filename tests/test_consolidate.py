@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.utils.data import default_collate
 
 import ckpt
 import consolidate
@@ -172,7 +173,7 @@ def test_init_from_round_trip(trained, reference, sharded_out, tmp_path):
     an --init-from that silently loaded nothing would log; it must be far from the reference.
     """
     args, model = reference_model(reference)
-    x, y = train_fsdp.get_batch(args, None, 0, 0, 1, torch.device("cpu"))
+    x, y = default_collate([train_fsdp.Samples(args)[i] for i in range(args.batch_size)])  # the global batch 0
     with torch.no_grad():
         want = F.cross_entropy(model(x).float().view(-1, args.vocab_size), y.reshape(-1)).item()
     out, _ = sharded_out
@@ -191,7 +192,7 @@ def test_transformers_loads_and_matches(reference, fp32_out):
     transformers = pytest.importorskip("transformers", reason="transformers is optional (not in requirements.txt)")
     hf, info = transformers.LlamaForCausalLM.from_pretrained(str(fp32_out), output_loading_info=True)
     args, model = reference_model(reference)
-    x, _ = train_fsdp.get_batch(args, None, 0, 0, 1, torch.device("cpu"))
+    x, _ = default_collate([train_fsdp.Samples(args)[i] for i in range(args.batch_size)])
     with torch.no_grad():
         diff = (hf.eval()(x).logits.float() - model(x).float()).abs().max().item()
     print(f"\ntransformers {transformers.__version__}: loading info {info}; max |dlogits| = {diff:.2e}")

@@ -263,24 +263,33 @@ def test_slurm_settings_arguments_and_exec(tmp_path):
     stays alive as a shell in front of torchrun (a SIGTERM sent to the launcher's pid, as kill or
     a container runtime sends it, then kills the shell and never reaches torchrun or the ranks);
     two job steps of one allocation given one rendezvous (on one node the second failed at start-up,
-    its port taken), or a step on part of the allocation sent to the allocation's first node.
+    its port taken), or a step on part of the allocation sent to the allocation's first node; torchrun's
+    30 s between its forwarded SIGTERM and its SIGKILL left shorter than SLURM's grace (a final save cut off).
     Stand-ins for python and scontrol record what the script runs, without starting torch."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/sh\ncase "$3" in "gpu-a[17-18],gpu-b02") printf "gpu-a17\\ngpu-a18\\n'
-                                      'gpu-b02\\n";; *) echo "$3";; esac\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\ncase "$2" in\n'
+        'config) echo "KillWait                = 45 sec";;\n'
+        'partition) [ "$3" = gpu ] && echo "   DefaultTime=NONE GraceTime=120 Hidden=NO";;\n'
+        '*) case "$3" in "gpu-a[17-18],gpu-b02") printf "gpu-a17\\ngpu-a18\\ngpu-b02\\n";; *) echo "$3";; esac;;\n'
+        'esac\n')
     (bin_dir / "python").write_text('#!/bin/sh\necho "pid $$"\nprintf "%s\\n" "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "RDZV_ID") and not k.startswith("SLURM_")}
+    ours = ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ID", "SHUTDOWN_TIMEOUT",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    env = {k: v for k, v in os.environ.items() if k not in ours and not k.startswith("SLURM_")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHON=str(bin_dir / "python"), SLURM_JOB_ID="7342",
-               SLURM_NNODES="3", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu-a[17-18],gpu-b02", SLURM_GPUS_ON_NODE="4")
+               SLURM_NNODES="3", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu-a[17-18],gpu-b02", SLURM_GPUS_ON_NODE="4",
+               SLURM_JOB_PARTITION="gpu")
     args = ["--ckpt-dir", "/shared/with space", "--resume"]
-    # Step 0 on the whole allocation (as sbatch's first srun), step 1 on its last node alone.
-    steps = {"0": ({}, "gpu-a17:24104", "7342.0"), "1": ({"SLURM_STEP_NODELIST": "gpu-b02", "SLURM_NNODES": "1",
-                                                          "SLURM_NODEID": "0"}, "gpu-b02:24105", "7342.1")}
-    for step, (step_env, endpoint, rdzv_id) in steps.items():
+    # Step 0 on the whole allocation (as sbatch's first srun): SLURM's grace, KillWait 45 s + GraceTime 120 s.
+    # Step 1 on its last node alone, its grace set by hand (as for sbatch --signal=TERM@S).
+    steps = {"0": ({}, "gpu-a17:24104", "7342.0", "165"),
+             "1": ({"SLURM_STEP_NODELIST": "gpu-b02", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+                    "SHUTDOWN_TIMEOUT": "600"}, "gpu-b02:24105", "7342.1", "600")}
+    for step, (step_env, endpoint, rdzv_id, grace) in steps.items():
         # From another directory, so the script must find train_fsdp.py next to itself, not in the cwd.
         proc = subprocess.Popen([SCRIPT, *args], stdout=subprocess.PIPE, text=True, env=dict(env, SLURM_STEP_ID=step,
                                 **step_env), cwd=tmp_path)
@@ -292,5 +301,21 @@ def test_slurm_settings_arguments_and_exec(tmp_path):
         nnodes, is_host = ("3", "0") if step == "0" else ("1", "1")
         assert lines[1:] == ["-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "4",
                              "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
-                             "--rdzv-conf", f"is_host={is_host}", os.path.join(os.path.realpath(REPO), "train_fsdp.py"),
-                             *args]
+                             "--rdzv-conf", f"is_host={is_host}", "--shutdown-timeout", grace,
+                             os.path.join(os.path.realpath(REPO), "train_fsdp.py"), *args]
+    # Outside SLURM: torchrun's own variable, else its default 30 s; under SLURM, so too when scontrol fails.
+    (tmp_path / "failing").mkdir()
+    (tmp_path / "failing" / "scontrol").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "failing" / "scontrol").chmod(0o755)
+    plain = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    cases = [(plain, "30"), (dict(plain, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="50"), "50"),
+             (dict(env, PATH=f"{tmp_path / 'failing'}{os.pathsep}{env['PATH']}", MASTER_ADDR="gpu-a17"), "30")]
+    got = []
+    for case_env, grace in cases:
+        proc = subprocess.run([SCRIPT], stdout=subprocess.PIPE, text=True, env=dict(case_env, NPROC_PER_NODE="1"),
+                              cwd=tmp_path, timeout=30)
+        lines = proc.stdout.splitlines()
+        got.append(lines[lines.index("--shutdown-timeout") + 1] if "--shutdown-timeout" in lines else None)
+    print(f"--shutdown-timeout without SLURM: {got[0]}; with TORCH_ELASTIC_SHUTDOWN_TIMEOUT=50: {got[1]}; "
+          f"under SLURM with a failing scontrol: {got[2]}")
+    assert got == [grace for _, grace in cases]
