@@ -6,50 +6,50 @@
     ckpt.save("checkpoints", step, model, optimizer, extra, keep=3)
     ckpt.close()                                         # before dist.destroy_process_group()
 
-save(), load(), check_root() and close() are collective: call them on every rank. What names the checkpoint (root,
-step, keep, meta) must be the same on every rank; the model, optimizers and extras are each rank's own (pipeline
-stages hold different ones). A failure on any rank is raised on every rank as CheckpointError. Without a process
-group (a plain Python process) they work as a world of one. The rules, each checked, none inferred:
-  - A key's value must agree among the ranks that hold it. DCP stores a DTensor's shards; any other value once.
-  - Per rank: an extra that is a DataLoader or a Sampler, or wrapped as PerRank(obj), and the random generators.
-    At another world size such an extra is refused by name; generators stay as this process seeded them.
-  - A tensor of an optimizer or extra whose key names a parameter (exp_avg of <fqn>, shadow.<fqn>) and is laid
-    out like it is stored under that key, and comes back laid out like that parameter today: it reshards with it.
-  - A model's run continues from the step it was loaded from, or last committed; a save moves later steps aside.
+save(), load(), check_root() and close() are collective: call them on every rank, naming the same checkpoint (root,
+step, keep, meta, ...); the model, optimizers and extras are each rank's own (pipeline stages hold different ones).
+A failure on any rank is raised on every rank as CheckpointError. Without a process group (a plain Python process)
+they work as a world of one. Each rule is exact, none inferred from values or history:
+  - A key's value must agree among the ranks that hold it: DCP stores a DTensor's shards, any other value once.
+  - Per rank: an extra that is a DataLoader or a Sampler or wrapped as PerRank(obj), and the random generators; at
+    another world size such an extra is refused by name, and generators stay as this process seeded them.
+  - A tensor of an optimizer or extra laid out like the parameter its key names (optim.0.state.<fqn>.exp_avg,
+    extra.ema.shadow.<fqn>) is stored under that key, and comes back laid out like that parameter today.
+  - A model's run continues from the step it was loaded from, or last committed: a save moves later steps aside.
 
 Save (the code carries the same numbers):
-  1. Collect the model's state (get_model_state_dict), each optimizer's state_dict() keyed by parameter name, one
-     value per param group, and each extra's state_dict(). Nothing runs an optimizer step. Refuse what load()
-     could not restore, and a step before the one this model continues from.
-  2. Agree: one all-reduce tells every rank that no rank failed and that all name the same checkpoint.
+  1. Collect the model's state (get_model_state_dict), each optimizer's state_dict() by parameter name, one value
+     per param group, and each extra's state_dict(); nothing runs an optimizer step. Refuse what load() could
+     not restore, and a step before the one this model continues from.
+  2. Agree: one all-reduce tells every rank that no rank failed and all name the same checkpoint.
   3. Prepare: rank 0 claims the root (a lock held while the run lives; refused if another run holds it, or if the
      root holds checkpoints this model was not loaded from) and makes .tmp-step-N-<id>; every rank must see it.
-  4. Write: dcp.save() writes and fsyncs each rank's files; its plan carries a digest of each value stored once,
-     and the coordinator refuses a key whose ranks disagree. Each rank CRCs its share of the files. With
-     async_save, the state was copied to host memory after step 2, and steps 4-6 run in a background thread.
-  5. Commit: rank 0 writes manifest.json (each file's size and CRC), moves aside the steps after the one this run
-     continues from, and renames the directory to step-N (an older copy of step N is replaced).
+  4. Write: dcp.save() writes and fsyncs each rank's files; each rank's plan carries a digest of each value stored
+     once, which its holders must agree on. Each rank CRCs its share of the files. With async_save, the state
+     was copied to host memory after step 2, and steps 4-6 run in a background thread.
+  5. Commit: rank 0 writes manifest.json (each file's size and CRC), moves aside the steps after the one this
+     model continues from, and renames the directory to step-N (an older copy of step N is replaced).
   6. Retain: rank 0 removes all but the newest `keep` steps.
 Load:
   1-2. Agree on the arguments; rank 0 chooses the highest step-N under the root (or the directory given).
-  3-4. Verify: each rank checks the size and CRC of its share of the files, before anything is read. Match DCP's
-     .metadata, unpickled without running code, to this rank's model, optimizers and extras; every model key of
+  3-4. Verify: each rank checks the size and CRC of its share of the files before anything is read; match DCP's
+     .metadata, unpickled without running code, to this rank's model, optimizers and extras. Every model key of
      the checkpoint must be some rank's.
   5. Read: dcp.load() into the live shards, resharding if the layout changed; each optimizer gets its groups and
-     each parameter's state by name (Optimizer.load_state_dict); each extra's load_state_dict() gets what it saved.
+     each parameter's state by name (Optimizer.load_state_dict); each extra's load_state_dict() what it saved.
   6. Verify each parameter's optimizer state: its keys and the step it was saved with.
 
     root/
-      .owner.json                      locked by the run that writes here; says who it is: host, pid, job
-      step-00000100/                   a commit: appears by one rename, once every rank's files are on disk
-        manifest.json                  ours: step, world size, each file's size and CRC-32, meta
-        .metadata  __0_0.distcp ...    DCP's: where each key is stored; each rank's shards, the values stored once
-      .tmp-step-00000200-1a2b3c4d/     a save in progress, or interrupted: never loaded
-      .replaced-step-00000100-5e6f/    the older copy of a step saved again, for the moment between two renames
-      .abandoned-step-00000150-9f8e/   a step given up by a rollback: kept, loaded only if named
-Keys: model.<fqn>; optim.<i>.group.<first parameter's fqn>, a param group of optimizer i: its options, parameter
-names and their state but the tensors, which are optim.<i>.state.<fqn>.<name>; extra.<name>, an extra's state, its
-tensors laid out like a parameter extra.<name>.<path>; rank.<r>.extra.<name>, per rank. Generators: extra.rng.*.
+      .owner.json                     locked by the run that writes here; says who it is: host, pid, job
+      step-00000100/                  a commit: appears by one rename, once every rank's files are on disk
+        manifest.json                 ours: step, world size, optimizer types, each file's size and CRC-32, meta
+        .metadata  __0_0.distcp ...   DCP's: where each key is; each rank's shards, the values stored once
+      .tmp-step-00000200-1a2b3c4d/    a save in progress, or interrupted: never loaded
+      .replaced-step-00000100-5e6f/   the older copy of a step saved again, between two renames: step 100 if alone
+      .abandoned-step-00000150-9f8e/  a step given up by a rollback: kept, loaded only if named
+Keys: model.<fqn>; optim.<i>.group.<its first parameter's fqn>: a param group of optimizer i, its options,
+parameter names and their state but the tensors, which are optim.<i>.state.<fqn>.<name>; extra.<name>, its
+tensors laid out like a parameter extra.<name>.<path>; per rank rank.<r>.extra.<name>; generators extra.rng.*.
 """
 
 import collections
@@ -96,22 +96,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
 
 class PerRank:
-    """An extra whose state is this rank's alone (a data iterator): stored per rank, restored at the same world size
-    only, refused by name at another. A DataLoader or a Sampler is per rank without it."""
+    """An extra whose state is this rank's alone (a data iterator, a random generator): stored per rank, restored
+    at the same world size only, refused by name at another. A DataLoader or a Sampler is per rank without it."""
     def __init__(self, obj):
-        self.obj = obj
-
-    def state_dict(self):
-        return self.obj.state_dict()
-
-    def load_state_dict(self, sd):
-        self.obj.load_state_dict(sd)
+        self.state_dict = obj.state_dict
+        self.load_state_dict = obj.load_state_dict
 
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
-Generator = collections.namedtuple("Generator", "state_dict load_state_dict")  # a random generator, as an extra
+Generator = collections.namedtuple("Generator", "state_dict load_state_dict")  # a random generator's two calls
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
 _locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0)
-_origins = weakref.WeakKeyDictionary()  # module -> (root, step) its run continues from; step None: half loaded
+_origins = weakref.WeakKeyDictionary()  # module -> (root, step) its run continues from
+_part_loaded = weakref.WeakSet()  # models a load failed to finish writing into: save() refuses them until a load does
 _in_flight = []  # the async save being written, at most one
 _stagers = []  # the async saves' host buffers, kept until close()
 
@@ -139,7 +135,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
         staged = _attempt(_stagers[0].stage, state.flat)
         _vote(group, "save: copy the state to host memory", staged.error)
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
-    tmp = _rank0(group, f"save: prepare step {step} in {root}", _prepare, root, step, state.base)
+    tmp = _rank0(group, f"save: prepare step {step} in {root} (rank 0)", _prepare, root, step, state.base)
     _check_shared(group, tmp)
     manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "torch_version": torch.__version__,
                 "meta": meta or {}, "optimizers": args["optimizers"]}
@@ -165,7 +161,7 @@ def load(path, model, optimizer=None, extra=None, *, verify=True, timeout=DEFAUL
     # 1. Agree on the arguments (a rank in save() and another in load() meet here, not in a hang), and 2. rank 0
     # alone chooses, so that every rank loads the same checkpoint.
     _vote(group, "load()", None, {"path": path, "verify": verify})
-    ckpt_dir = _rank0(group, "load(): choose the checkpoint", find_checkpoint, path)
+    ckpt_dir = _rank0(group, "load(): rank 0 chooses the checkpoint", find_checkpoint, path)
     if ckpt_dir is None:
         _say_why_none(path)
         return None
@@ -175,7 +171,7 @@ def load(path, model, optimizer=None, extra=None, *, verify=True, timeout=DEFAUL
     _vote(group, f"load: verify {ckpt_dir} and match it to the model", plan.error)
     _check_covered(group, ckpt_dir, plan.value, resuming=bool(optimizers))
     # 5. Read into the live shards and the objects' empty tensors, then hand everything over.
-    _remember(model, ckpt_dir, None)  # until every rank restored it all: a failure leaves it part-loaded
+    _part_loaded.add(model)  # until every rank restored it all: a failure leaves it part-loaded
     try:
         reader = SafeReader(ckpt_dir, plan.value.metadata)
         _dcp(dcp.load, plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
@@ -184,6 +180,7 @@ def load(path, model, optimizer=None, extra=None, *, verify=True, timeout=DEFAUL
         raise CheckpointError(f"reading {ckpt_dir} failed{cause}.{_instead(ckpt_dir)}") from e
     restored = _attempt(_restore, plan.value, model)
     _vote(group, f"load: restore {ckpt_dir}", restored.error)
+    _part_loaded.discard(model)
     # This model's run continues from here; a step moved aside is no ancestor of the live ones: they all go aside.
     named = os.path.basename(ckpt_dir)
     _remember(model, os.path.dirname(ckpt_dir), plan.value.step if _step_of(named) is not None else -1)
@@ -196,7 +193,7 @@ def check_root(root, model, timeout=DEFAULT_TIMEOUT):
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
     _vote(group, "check_root()", None, {"root": root})
-    _rank0(group, "check_root()", _claim, root, _continues_from(model, root))
+    _rank0(group, "check_root() (rank 0)", _claim, root, _origin(model, root))
     _check_shared(group, os.path.join(root, OWNER))
 
 def close():
@@ -210,7 +207,7 @@ def close():
             os.close(owner)  # releases the lock
         for stager in _stagers:
             stager.close()
-        for registry in (_stagers, _locks, _origins):  # the next run in this process starts afresh
+        for registry in (_stagers, _locks, _origins, _part_loaded):  # the next run in this process starts afresh
             registry.clear()
         while _groups:  # last: it raises if the default group is gone already
             dist.destroy_process_group(_groups.popitem()[1])
@@ -245,10 +242,10 @@ def _collect(root, step, keep, model, optimizers, extra, rng, meta):  # step 1
     if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
-    if _origin(model) and _origin(model)[1] is None:  # its shards would mix ranks that read a checkpoint with ranks that did not
+    if model in _part_loaded:  # its shards would mix ranks that read a checkpoint with ranks that did not
         raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
                               "optimizers may hold part of it: load() again before saving")
-    base = _continues_from(model, root)
+    base = _origin(model, root)
     if base is not None and step < base:
         raise CheckpointError(f"save(): step {step} is before step {base}, which this model was loaded from or "
                               f"committed in {root}: to go back, load that step first (a rollback)")
@@ -322,15 +319,14 @@ def _objects(optimizers, names, extra, rng):
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):  # restored in place
             raise CheckpointError(f"extra {name!r} is a {type(obj).__name__}, which has no state_dict() and "
                                   "load_state_dict(): wrap it in an object that has both")
-    generators = {"rng.torch": Generator(torch.get_rng_state, torch.set_rng_state),
-                  "rng.python": Generator(random.getstate, random.setstate)}
+    generators = {"rng.torch": PerRank(Generator(torch.get_rng_state, torch.set_rng_state)),
+                  "rng.python": PerRank(Generator(random.getstate, random.setstate))}
     if torch.cuda.is_available():
-        generators["rng.cuda"] = Generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+        generators["rng.cuda"] = PerRank(Generator(torch.cuda.get_rng_state, torch.cuda.set_rng_state))
     objects = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
     for name, obj in {**(extra or {}), **(generators if rng else {})}.items():
         obj = OptimizerByName(obj, names) if isinstance(obj, torch.optim.Optimizer) else obj  # by name here too
-        per_rank = name.startswith("rng.") or isinstance(obj, (PerRank, *DATA_ORDER))
-        objects[f"rank.{_rank()}.extra.{name}" if per_rank else f"extra.{name}"] = obj
+        objects[f"rank.{_rank()}.extra.{name}" if isinstance(obj, (PerRank, *DATA_ORDER)) else f"extra.{name}"] = obj
     return objects
 
 class OptimizerByName:
@@ -371,7 +367,8 @@ class OptimizerByName:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, sd):
-        lacking = sorted({option for group in sd["param_groups"] for option in group} - set(self.optimizer.param_groups[0]))
+        saved_options = {option for group in sd["param_groups"] for option in group}
+        lacking = sorted(saved_options - set(self.optimizer.param_groups[0]))
         if lacking:
             raise CheckpointError(f"{type(self.optimizer).__name__} has no option {lacking} of the checkpoint's"
                                   + (" (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before "
@@ -424,7 +421,7 @@ class AgreeingSavePlanner(dcp.DefaultSavePlanner):
 def _disagreement(differ):  # {key: [ranks holding one value, ranks holding another, ...]}
     def ranks(group):
         return " ".join(map(str, group[:4])) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
-    shown = [f"{key} (ranks {' | '.join(ranks(group) for group in groups)})" for key, groups in list(differ.items())[:5]]
+    shown = [f"{key} (ranks {' | '.join(map(ranks, groups))})" for key, groups in list(differ.items())[:5]]
     advice = {"model": "a buffer that ranks update alone: make it equal (broadcast it)",
               "optim": "an option or a step that differs between ranks: make it equal",
               "extra": "state of each rank's own (a data position): wrap it as ckpt.PerRank(obj); of each pipeline "
@@ -452,10 +449,7 @@ def _write_and_commit(state, c):  # steps 4-6 on every rank; in a background thr
     written = _attempt(_write, state, c.digests, c.tmp, c.group)
     try:
         reports = _gather(c.group, f"save of step {c.step}: writing", written)  # rank 0 lists every rank's files
-        path, failed = _rank0(c.group, f"save of step {c.step}: commit", _commit, c, reports)
-        if failed:
-            raise CheckpointError(f"save of step {c.step}: writing failed on {len(failed)} rank(s): "
-                                  f"{'; '.join(failed)}. Nothing was committed; the previous checkpoint is intact")
+        path = _rank0(c.group, f"save of step {c.step} (rank 0 commits)", _commit, c, reports)
     except CheckpointError:  # a rank lost mid-write (its collective failed): nothing is committed
         if _rank() == 0:
             shutil.rmtree(c.tmp, ignore_errors=True)  # gone already if committed
@@ -471,12 +465,12 @@ def _write(state, digests, tmp, group):
     paths = {name: os.path.join(tmp, name) for name in _share(os.listdir(tmp))}
     return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
 
-def _commit(c, reports):
-    """Steps 5-6, rank 0: (the step's path, None), or (None, each rank's failure to write) and nothing committed.
-    reports: each rank's Outcome of _write(): its files' size and CRC."""
+def _commit(c, reports):  # steps 5-6, rank 0; reports: each rank's Outcome of _write(), its files' size and CRC
     if any(error is not None for _, error in reports):
         shutil.rmtree(c.tmp, ignore_errors=True)  # before any rank hears of it: frees the space (a full disk, say)
-        return None, [f"rank {r}: {error}" for r, (_, error) in enumerate(reports) if error]
+        failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(reports) if error]
+        raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was "
+                              "committed; the previous checkpoint is intact")
     files = dict(collections.ChainMap(*(checksums for checksums, _ in reports)))  # each rank's share, merged
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
@@ -503,7 +497,7 @@ def _commit(c, reports):
             shutil.rmtree(trash)
         except OSError as e:
             log.warning("retention: could not remove %s: %s", step_dir(c.root, step), e)
-    return step_dir(c.root, c.step), None
+    return step_dir(c.root, c.step)
 
 def _move_aside(root, base):
     """Steps after the one this run continues from belong to a branch given up (a rollback): moved aside, highest
@@ -519,15 +513,11 @@ def _move_aside(root, base):
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
 
-def _origin(model):
-    """(root, step) model's run continues from: loaded from, or last committed (step None: a load into it failed
-    while reading). Each module of the model keeps it: a torch.compile wrapper finds its model's, an evaluation
-    copy has its own."""
-    return next((_origins[m] for m in model.modules() if m in _origins), None)
-
-def _continues_from(model, root):  # the step of root that model's run continues from, or None
-    origin = _origin(model)
-    return origin[1] if origin and origin[0] == root else None
+def _origin(model, root):
+    """The step of root that model's run continues from (loaded from, or last committed), or None. Each module of
+    the model keeps it: a torch.compile wrapper finds its model's; an evaluation copy has its own."""
+    found = next((_origins[m] for m in model.modules() if m in _origins), None)
+    return found[1] if found and found[0] == root else None
 
 def _remember(model, root, step):
     for module in model.modules():
@@ -650,7 +640,8 @@ def _empty_like(saved, param, live=None):
     return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
 
 def _restore(plan, model):  # steps 5-6, after dcp.load(); user code runs
-    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in plan.request.items() if k.startswith("model.")})
+    model_sd = {key.removeprefix("model."): value for key, value in plan.request.items() if key.startswith("model.")}
+    set_model_state_dict(model, model_sd)
     def tensor_read(path, value):  # a leaf whose key a tensor was read under becomes it
         return plan.request.get(path, value)
     for key, obj in plan.objects.items():
@@ -872,7 +863,7 @@ def _rank0(group, what, fn, *args):
         _collective(what, dist.broadcast_object_list, box, src=0, group=group)
         outcome = Outcome(*box[0])
     if outcome.error is not None:
-        raise CheckpointError(f"{what} failed on rank 0: {outcome.error}")
+        raise CheckpointError(f"{what}: {outcome.error}")
     return outcome.value
 
 def _gather(group, what, outcome):  # rank 0: every rank's Outcome, in rank order; other ranks: None

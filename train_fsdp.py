@@ -270,15 +270,14 @@ def train(args, device, rank, world):
         if found is None and args.resume_from:  # a rollback must not quietly start over
             raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
         say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: step 0")
-    # From the restored position (step s's global batch: samples + s*B ... + B - 1; rank r of W takes its r-th B/W, so
-    # any W reads the same), its workers forked before check_root's claim: they would share its lock (flock), and hold
-    # it seconds after a SIGKILL of their rank. Its own generator: else iter() draws from torch's (dropout would shift).
+    # From the restored position: step s reads global samples samples + s*B ... + B - 1, rank r of W its r-th B/W, so
+    # any W reads the same. Its own generator: else iter() draws from torch's, which load() restored (dropout shifts).
     per_rank = args.batch_size // world
     shares = ([*range(i, i + per_rank)] for i in itertools.count(state.samples + rank * per_rank, args.batch_size))
     data = iter(torch.utils.data.DataLoader(dataset, batch_sampler=shares, num_workers=args.num_workers,
                                             worker_init_fn=ignore_sigterm, generator=torch.Generator()))
-    try:  # after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this run did not load
-        ckpt.check_root(args.ckpt_dir, model, timeout=args.ckpt_timeout)  # (a forgotten --resume) fail now, not at a save
+    try:  # after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this model was not
+        ckpt.check_root(args.ckpt_dir, model, timeout=args.ckpt_timeout)  # loaded from (a forgotten --resume)
     except ckpt.CheckpointError as e:
         raise SystemExit(f"train_fsdp.py: CheckpointError: {e}") from None  # the message, not a traceback per rank
     if state.step == 0 and args.init_from:
@@ -297,7 +296,8 @@ def train(args, device, rank, world):
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        state.step, state.samples = state.step + 1, state.samples + args.batch_size  # the position moves by a step
+        state.step += 1
+        state.samples += args.batch_size
         stats = torch.tensor([loss.item(), sigterm["received"]], device=device)  # one all-reduce for both
         dist.all_reduce(stats)
         mean_loss, preempted = stats[0].item() / world, stats[1].item() > 0

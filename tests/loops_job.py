@@ -21,6 +21,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import random  # noqa: E402
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -328,6 +329,71 @@ def scen_plain_at_two(work, plain_dir):
 Box = state_job.Box  # an extra whose state is whatever the loop puts in it (a data position)
 
 
+# ------------------------------------------------------------ 7. an evaluation copy beside the training run
+
+
+def generators():
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def scen_eval_copy(work):
+    """Training saves steps 1 and 2; an evaluation copy (another model) loads step 1, weights only; training goes on
+    and saves step 3. Then the control: the training model itself loads step 1 (a rollback) and saves step 4."""
+    root = os.path.join(work, "root")
+    model = build(0)
+    opts = OPTIMIZERS["adamw"](model)
+    for i in (1, 2):
+        train_step(model, opts, i)
+        ckpt.save(root, i, model, opts)
+    evaluation = build(7)
+    before = generators()
+    loaded = ckpt.load(ckpt.step_dir(root, 1), evaluation)
+    after = generators()
+    res = {"eval_loaded": loaded, "torch_rng_kept": torch.equal(before["torch"], after["torch"]),
+           "python_rng_kept": before["python"] == after["python"]}
+    train_step(model, opts, 3)
+    res["save3"] = outcome(lambda: ckpt.save(root, 3, model, opts))
+    res["after_save3"] = listing(root)
+    res["rollback_loaded"] = ckpt.load(ckpt.step_dir(root, 1), model, opts)  # the control: this model goes back
+    train_step(model, opts, 4)
+    res["save4"] = outcome(lambda: ckpt.save(root, 4, model, opts))
+    res["after_save4"] = listing(root)
+    return res
+
+
+class Counter(torch.utils.data.Sampler):
+    """A sampler with a position: a Sampler is per rank by its type, whatever its state's value."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __iter__(self):
+        return iter(range(self.i, 100))
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, sd):
+        self.i = sd["i"]
+
+
+def scen_per_rank(work):
+    """Extras equal on every rank but declared per rank (a Sampler; ckpt.PerRank) are stored per rank, and an
+    extra stored once that differs between ranks is refused naming the key and the ranks."""
+    root = os.path.join(work, "root")
+    model = build(0)
+    sampler, position = Counter(), Box({"batches": 5})  # the same on both ranks
+    sampler.i = 5
+    path = ckpt.save(root, 1, model, None, {"sampler": sampler, "position": ckpt.PerRank(position)})
+    keys = sorted(k for k in ckpt.read_metadata(path).state_dict_metadata if k.split(".")[0] in ("extra", "rank"))
+    fresh, fresh_position = Counter(), Box({})
+    ckpt.load(root, build(1), None, {"sampler": fresh, "position": ckpt.PerRank(fresh_position)})
+    differing = outcome(lambda: ckpt.save(os.path.join(work, "differ"), 1, model, None, {"seen": Box({"n": rank()})}))
+    return {"keys": [k for k in keys if ".rng." not in k], "sampler_back": fresh.i,
+            "position_back": fresh_position.state, "differing": differing,
+            "differ_listing": listing(os.path.join(work, "differ"))}
+
+
 # ---------------------------------------------------------------------- plain processes (no process group)
 
 
@@ -408,7 +474,9 @@ def ranks(work, plain_dir):
     scenarios = {"step0": lambda: scen_step0(os.path.join(work, "step0")),
                  "same_step": lambda: scen_same_step(os.path.join(work, "same_step")),
                  "refusals": lambda: scen_refusals(os.path.join(work, "refusals")),
-                 "plain_at_two": lambda: scen_plain_at_two(work, plain_dir)}
+                 "plain_at_two": lambda: scen_plain_at_two(work, plain_dir),
+                 "eval_copy": lambda: scen_eval_copy(os.path.join(work, "eval_copy")),
+                 "per_rank": lambda: scen_per_rank(os.path.join(work, "per_rank"))}
 
     try:
         state_job.run_scenarios(scenarios, results)

@@ -12,6 +12,8 @@ tests/state_job.py, launched once for the module; each test below asserts on its
     python -m pytest -q -s tests/test_state.py
 """
 
+import dataclasses
+import io
 import json
 import os
 import threading
@@ -189,6 +191,46 @@ def test_generators_are_stored_per_rank(tmp_path):
     generators = [k for k in keys if ".rng." in k]
     print(f"\ngenerator keys at world size 1: {generators}")
     assert generators == ["rank.0.extra.rng.python", "rank.0.extra.rng.torch"]
+
+
+@dataclasses.dataclass
+class Config:
+    scale: float = 2.0
+
+
+class Stamped(torch.nn.Module):
+    """A module with extra state (get_extra_state()), as some quantization and normalization layers keep."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.lin, self.extra = torch.nn.Linear(4, 4), extra
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+def test_model_extra_state_save_refuses_what_load_would(tmp_path):
+    """A module's get_extra_state() returning an object (a BytesIO, a dataclass) used to save, and every checkpoint
+    of the run then failed at load with torch's weights-only error; save() now refuses it naming the key, as it
+    does an extra's. Plain values round-trip."""
+    refused = {}
+    for name, extra in {"bytesio": io.BytesIO(b"x"), "dataclass": Config()}.items():
+        with pytest.raises(ckpt.CheckpointError) as e:
+            ckpt.save(str(tmp_path / name), 1, Stamped(extra))
+        refused[name] = str(e.value)
+        assert not os.path.isdir(tmp_path / name / "step-00000001")
+    print("\n" + "\n".join(f"{name}: {msg[:200]}" for name, msg in refused.items()))
+    assert "model._extra_state is a _io.BytesIO" in refused["bytesio"]
+    assert "model._extra_state is a tests.test_state.Config" in refused["dataclass"]
+    model = Stamped({"scale": 2.0, "version": 3})
+    ckpt.save(str(tmp_path / "plain"), 1, model)
+    back = Stamped(None)
+    ckpt.load(str(tmp_path / "plain"), back)
+    print(f"plain extra state back: {back.extra}")
+    assert back.extra == {"scale": 2.0, "version": 3}
 
 
 def test_refused_dict_key_names_its_extra(tmp_path):
