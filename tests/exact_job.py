@@ -1,9 +1,10 @@
-"""The jobs of tests/test_exact.py (issue items 6 and 7), launched as ranks with torchrun's environment
-(tests/launch.py).
+"""The jobs of tests/test_exact.py (issue items 6-10), launched as ranks with torchrun's environment
+(tests/launch.py) or as one plain process (no process group: ckpt works as a world of one).
 
     exact_job.py train OUT --root R [--resume] [--stop-after N] [--kill POINT --kill-step N]   (item 6)
     exact_job.py hold OUT --root R [--no-fork-hook]                                           (item 7)
     exact_job.py claim OUT --root R                                                           (item 7)
+    exact_job.py scenarios OUT WORK [--only NAME ...]                                         (items 8, 9, 10)
 
 train: a user's loop (a small FSDP2 model with dropout, AdamW, a step counter as an extra) that saves every
 --save-every steps (meta {"save": "periodic"}) and, at its last step, saves that step again (meta {"save":
@@ -15,17 +16,24 @@ Rank 0 logs each step to OUT/log.jsonl (loss, full weights' hash) and writes OUT
 hold: claims R (check_root), rank 0 forks a helper child that lives until OUT/release (at most 90 s), writes
 OUT/ready.json, then every rank sleeps until the test SIGKILLs it. --no-fork-hook: os.register_at_fork is a
 no-op before the claim (the control). claim: a new run's check_root of R, timed, into OUT/claim.json.
+
+scenarios: one scenario after another on the same ranks (as tests/failpath_job.py, whose patched(),
+expect_failure() and recover() these are), each in its own root; OUT/results.<rank>.json holds every
+scenario's figures. Also runs without a process group (WORLD_SIZE unset, or --plain): a plain process.
 """
 
 import argparse
 import datetime
+import errno
 import hashlib
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,7 +44,12 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import ckpt  # noqa: E402
 
+SCENARIO_LIMIT = 60  # seconds; a scenario running longer is recorded as hung and the job exits
 TIMEOUT = 60  # of every process group and checkpoint collective here: no test may hang
+DECAY = ["a.weight", "b.weight"]
+NO_DECAY = ["a.bias", "norm.weight", "norm.bias", "b.bias"]
+OPTIONS = {"decay": {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95)},
+           "no_decay": {"lr": 3e-2, "weight_decay": 0.0, "betas": (0.8, 0.99)}}
 
 
 class Net(torch.nn.Module):
@@ -77,6 +90,18 @@ def weights(model):
     """sha256 of the full parameters, in order: the same on every rank (and in a plain process's model)."""
     flat = torch.cat([full(p).detach().flatten() for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def opt_state(model, opt):
+    """{parameter name: sha256 of its full optimizer state}: compared by name, whatever the groups' order."""
+    names = {p: n for n, p in model.named_parameters()}
+    out = {}
+    for p, st in opt.state.items():
+        h = hashlib.sha256()
+        for k in sorted(st):
+            h.update(k.encode() + full(st[k]).detach().float().flatten().numpy().tobytes())
+        out[names[p]] = h.hexdigest()[:16]
+    return out
 
 
 def loss_of(model, x, y):
@@ -239,10 +264,247 @@ def claim(a):
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------------ 8-10. scenarios
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+LOG = Lines()
+
+
+class patched:
+    """tests/failpath_job.py's: replace ckpt.<dotted name> on one rank (None: every rank) while the call runs."""
+
+    def __init__(self, name, on_rank, fake):
+        *path, self.attr = name.split(".")
+        self.owner = ckpt
+        for part in path:
+            self.owner = getattr(self.owner, part)
+        self.mine, self.fake = on_rank is None or rank() == on_rank, fake
+
+    def __enter__(self):
+        self.own = self.attr in vars(self.owner)
+        self.real = vars(self.owner).get(self.attr)
+        if self.mine:
+            setattr(self.owner, self.attr, self.fake)
+
+    def __exit__(self, *exc):
+        if self.mine:
+            if self.own:
+                setattr(self.owner, self.attr, self.real)
+            else:
+                delattr(self.owner, self.attr)
+
+
+def expect_failure(fn):
+    """tests/failpath_job.py's: every rank starts together; how the call ended and this rank's seconds."""
+    barrier()
+    t0 = time.monotonic()
+    try:
+        fn()
+    except BaseException as e:  # noqa: B036
+        return {"raised": type(e).__name__, "msg": str(e), "secs": round(time.monotonic() - t0, 3)}
+    return {"raised": None, "msg": "", "secs": round(time.monotonic() - t0, 3)}
+
+
+def eio(what):
+    return OSError(errno.EIO, f"Input/output error ({what}, injected)")
+
+
+def raiser(exc):
+    def fake(*args, **kwargs):
+        raise exc
+    return fake
+
+
+def step(model, opt):
+    loss = loss_of(model, torch.randn(4, 8), torch.randn(4, 4))  # data and dropout from torch's generator
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def adamw(model, groups):
+    """AdamW over groups: [(option set, [parameter names])], in that order."""
+    named = dict(model.named_parameters())
+    return torch.optim.AdamW([{"params": [named[n] for n in names], **OPTIONS[kind]} for kind, names in groups])
+
+
+def committed_fsync_fails(root, async_save=False):
+    """8. The root's fsync after the commit's rename fails on rank 0."""
+    model = build()
+    opt = adamw(model, [("decay", DECAY), ("no_decay", NO_DECAY)])
+    step(model, opt)
+    ckpt.save(root, 1, model, opt, timeout=TIMEOUT)
+    step(model, opt)
+    saved = weights(model)
+    raised = []
+
+    def failing(path):
+        if os.path.realpath(path) == os.path.realpath(root) and os.path.isdir(ckpt.step_dir(root, 2)):
+            raised.append(listing(root))
+            raise eio(f"fsync of {path}")
+        return ckpt_fsync_dir(path)
+
+    ckpt_fsync_dir = ckpt.fsync_dir
+    out = {}
+    LOG.lines.clear()
+
+    def save2():
+        got = ckpt.save(root, 2, model, opt, timeout=TIMEOUT, async_save=async_save)
+        out["path"] = got.wait() if async_save else got
+
+    with patched("fsync_dir", 0, failing):
+        out["save"] = expect_failure(save2)
+    out["raised_on_rank"] = {"count": len(raised), "listing": raised}
+    out["warnings"] = [ln for ln in LOG.lines if "fsync" in ln]
+    out["after"] = listing(root)
+    out["found"] = os.path.basename(ckpt.find_checkpoint(root) or "")
+    fresh = build(seed=3)
+    out["load"] = ckpt.load(root, fresh, timeout=TIMEOUT)
+    out["load_weights_equal"] = weights(fresh) == saved
+    step(model, opt)
+    LOG.lines.clear()
+    out["save3"] = expect_failure(lambda: out.update(path3=ckpt.save(root, 3, model, opt, timeout=TIMEOUT)))
+    out["moved_aside_log"] = [ln for ln in LOG.lines if "moved aside" in ln]
+    out["end"] = listing(root)
+    out["committed"] = ckpt.committed_steps(root)
+    return out
+
+
+def scen_root_fsync_fails(root):
+    return committed_fsync_fails(root)
+
+
+def scen_root_fsync_fails_async(root):
+    return committed_fsync_fails(root, async_save=True)
+
+
+def groups_summary(model, opt):
+    """Each group of opt, in its order: its parameters by name, its options, its parameters' AdamW steps."""
+    names = {p: n for n, p in model.named_parameters()}
+    def steps(group):  # none before the first step, or after a refused load
+        return sorted({float(opt.state[p]["step"]) for p in group["params"] if "step" in opt.state.get(p, {})})
+    return [{"params": [names[p] for p in g["params"]], "lr": g["lr"], "weight_decay": g["weight_decay"],
+             "betas": list(g["betas"]), "steps": steps(g)} for g in opt.param_groups]
+
+
+def scen_groups(root):
+    """9. Saved with [decay, no_decay], loaded into [no_decay, decay]; then parameters moved between groups."""
+    model = build()
+    opt = adamw(model, [("decay", DECAY), ("no_decay", NO_DECAY)])
+    for _ in range(2):
+        step(model, opt)
+    ckpt.save(root, 2, model, opt, timeout=TIMEOUT)
+    saved_groups = groups_summary(model, opt)
+    ref = {"losses": [step(model, opt) for _ in range(3)]}
+    ref.update(weights=weights(model), opt=opt_state(model, opt), groups=groups_summary(model, opt))
+
+    fresh = build(seed=5)
+    reordered = adamw(fresh, [("no_decay", NO_DECAY), ("decay", DECAY)])
+    out = {"saved_groups": saved_groups, "ref": ref}
+    out["load"] = expect_failure(lambda: out.update(loaded=ckpt.load(root, fresh, reordered, timeout=TIMEOUT)))
+    out["loaded_groups"] = groups_summary(fresh, reordered)
+    got = {"losses": [step(fresh, reordered) for _ in range(3)]}
+    got.update(weights=weights(fresh), opt=opt_state(fresh, reordered), groups=groups_summary(fresh, reordered))
+    out["resumed"] = got
+    # A group holding other parameters: b.weight moved from decay to no_decay, at its end or at its front.
+    moved = [n for n in DECAY if n != "b.weight"]
+    for where, no_decay in (("end", NO_DECAY + ["b.weight"]), ("front", ["b.weight"] + NO_DECAY)):
+        other = build(seed=6)
+        wrong = adamw(other, [("no_decay", no_decay), ("decay", moved)])
+        out[f"moved_{where}"] = expect_failure(lambda: ckpt.load(root, other, wrong, timeout=TIMEOUT))
+        out[f"moved_{where}"]["groups"] = [g["params"] for g in groups_summary(other, wrong)]
+    return out
+
+
+def write_error(root, patch, async_save=False):
+    """10. A write error on rank 1 inside DCP's write; then the next save (and a load) on the same ranks."""
+    model = build()
+    opt = adamw(model, [("decay", DECAY), ("no_decay", NO_DECAY)])
+    step(model, opt)
+    ckpt.save(root, 1, model, opt, timeout=TIMEOUT)
+    step(model, opt)
+
+    def save2():
+        got = ckpt.save(root, 2, model, opt, timeout=TIMEOUT, async_save=async_save)
+        return got.wait() if async_save else got
+
+    with patched(*patch):
+        out = expect_failure(save2)
+    out.update(committed_after=ckpt.committed_steps(root), listing_after=listing(root))
+    barrier()
+    w = weights(model)
+    out["save_after"] = expect_failure(lambda: out.update(path=os.path.basename(ckpt.save(root, 2, model, opt,
+                                                                                          timeout=TIMEOUT))))
+    fresh = build(seed=4)
+    out["load_after"] = ckpt.load(root, fresh, adamw(fresh, [("decay", DECAY), ("no_decay", NO_DECAY)]),
+                                  timeout=TIMEOUT)
+    out["load_weights_equal"] = weights(fresh) == w
+    out["committed"], out["end"] = ckpt.committed_steps(root), listing(root)
+    return out
+
+
+def scen_write_error_fsync(root):  # DCP's writer fsyncs each file it wrote (sync_files=True): os.fsync
+    return write_error(root, ("os.fsync", 1, raiser(eio("fsync of a shard"))))
+
+
+def scen_write_error_write_data(root):
+    return write_error(root, ("dcp.FileSystemWriter.write_data", 1, raiser(eio("write shard"))))
+
+
+def scen_write_error_async(root):  # in the background thread that writes and commits
+    return write_error(root, ("os.fsync", 1, raiser(eio("fsync of a shard"))), async_save=True)
+
+
+ORDER = ["root_fsync_fails", "root_fsync_fails_async", "groups", "write_error_fsync", "write_error_write_data",
+         "write_error_async"]
+
+
+def scenarios(a):
+    if not a.plain:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    logging.getLogger("ckpt").addHandler(LOG)
+    logging.getLogger("ckpt").setLevel(logging.INFO)
+    results = {"world_size": dist.get_world_size() if dist.is_initialized() else None}
+    path = os.path.join(a.out, f"results.{rank()}.json")
+
+    def hung(name):
+        results[name] = {"hung_after_s": SCENARIO_LIMIT}
+        write_json(path, results)
+        os._exit(3)
+
+    for name in ORDER:
+        if a.only and name not in a.only:
+            continue
+        timer = threading.Timer(SCENARIO_LIMIT, hung, (name,))
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            results[name] = globals()[f"scen_{name}"](os.path.join(a.work, name))
+        except BaseException as e:  # noqa: B036  (recorded; the test names the scenario)
+            results[name] = {"unexpected": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        timer.cancel()
+        results[name]["scenario_secs"] = round(time.monotonic() - t0, 2)
+        write_json(path, results)
+        barrier()
+    ckpt.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["train", "hold", "claim"])
+    p.add_argument("mode", choices=["train", "hold", "claim", "scenarios"])
     p.add_argument("out")
+    p.add_argument("work", nargs="?")
     p.add_argument("--root")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-every", type=int, default=2)
@@ -252,10 +514,12 @@ def main():
     p.add_argument("--kill", choices=["first_rename", "second_rename", "after_fsync"])
     p.add_argument("--kill-step", type=int)
     p.add_argument("--no-fork-hook", action="store_true")
+    p.add_argument("--plain", action="store_true", help="scenarios in a plain process: no process group")
+    p.add_argument("--only", nargs="*")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '-')}] %(message)s")
-    {"train": train, "hold": hold, "claim": claim}[a.mode](a)
+    {"train": train, "hold": hold, "claim": claim, "scenarios": scenarios}[a.mode](a)
 
 
 if __name__ == "__main__":
