@@ -425,6 +425,42 @@ def scen_groups(root):
     return out
 
 
+def scen_groups_scheduler(root):
+    """9, with what a run has beside its optimizer: a LambdaLR over it, saved as an extra. Each step's lr per
+    option set (by the group's parameters), then the loss; the uninterrupted run, then the reordered resume."""
+    def run(model, opt, steps):
+        sched = scheds[id(opt)]
+        out = []
+        for _ in range(steps):
+            loss = step(model, opt)
+            sched.step()
+            names = {p: n for n, p in model.named_parameters()}
+            out.append({"loss": loss, "lr": {names[g["params"][0]]: g["lr"] for g in opt.param_groups}})
+        return out
+
+    scheds = {}
+
+    def with_sched(opt):
+        scheds[id(opt)] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return scheds[id(opt)]
+
+    model = build()
+    opt = adamw(model, [("decay", DECAY), ("no_decay", NO_DECAY)])
+    sched = with_sched(opt)
+    run(model, opt, 2)
+    ckpt.save(root, 2, model, opt, {"sched": sched}, timeout=TIMEOUT)
+    out = {"ref": run(model, opt, 3)}
+    fresh = build(seed=5)
+    reordered = adamw(fresh, [("no_decay", NO_DECAY), ("decay", DECAY)])
+    fresh_sched = with_sched(reordered)
+    out["load"] = expect_failure(lambda: out.update(loaded=ckpt.load(root, fresh, reordered, {"sched": fresh_sched},
+                                                                     timeout=TIMEOUT)))
+    if out["load"]["raised"] is None:
+        out["base_lrs"] = list(fresh_sched.base_lrs)
+        out["resumed"] = run(fresh, reordered, 3)
+    return out
+
+
 def write_error(root, patch, async_save=False):
     """10. A write error on rank 1 inside DCP's write; then the next save (and a load) on the same ranks."""
     model = build()
@@ -464,8 +500,44 @@ def scen_write_error_async(root):  # in the background thread that writes and co
     return write_error(root, ("os.fsync", 1, raiser(eio("fsync of a shard"))), async_save=True)
 
 
-ORDER = ["root_fsync_fails", "root_fsync_fails_async", "groups", "write_error_fsync", "write_error_write_data",
-         "write_error_async"]
+def scen_resave_rename_fails(root):
+    """6. A re-save of step 2 whose second rename (.tmp- to step-N) fails on rank 0 (EIO), in a run that goes on:
+    the old copy is left as .replaced-step-2-*, which find_checkpoint() takes for step 2. Then, in one root, a
+    rollback to step 1 and a save of step 2 on the new branch; in another, a save of step 3 with keep=1."""
+    real = os.rename
+
+    def failing(src, dst):
+        if os.path.basename(src).startswith(f"{ckpt.TMP}step-00000002-") and os.path.basename(dst) == "step-00000002":
+            raise eio("rename to step-00000002")
+        return real(src, dst)
+
+    out = {}
+    for case in ("rollback", "keep"):
+        sub = os.path.join(root, case)
+        model = build()
+        opt = adamw(model, [("decay", DECAY), ("no_decay", NO_DECAY)])
+        for s in (1, 2):
+            step(model, opt)
+            ckpt.save(sub, s, model, opt, timeout=TIMEOUT)
+        with patched("os.rename", 0, failing):
+            res = expect_failure(lambda: ckpt.save(sub, 2, model, opt, timeout=TIMEOUT))
+        res.update(after=listing(sub), found=os.path.basename(ckpt.find_checkpoint(sub)))
+        if case == "rollback":
+            res["loaded"] = ckpt.load(ckpt.step_dir(sub, 1), model, opt, timeout=TIMEOUT)
+            step(model, opt)
+            res["save"] = expect_failure(lambda: ckpt.save(sub, 2, model, opt, timeout=TIMEOUT))
+        else:
+            step(model, opt)
+            LOG.lines.clear()
+            res["save"] = expect_failure(lambda: ckpt.save(sub, 3, model, opt, keep=1, timeout=TIMEOUT))
+            res["retention_log"] = [ln for ln in LOG.lines if "retention" in ln]
+        res.update(end=listing(sub), committed=ckpt.committed_steps(sub))
+        out[case] = res
+    return out
+
+
+ORDER = ["root_fsync_fails", "root_fsync_fails_async", "groups", "groups_scheduler", "write_error_fsync",
+         "write_error_write_data", "write_error_async", "resave_rename_fails"]
 
 
 def scenarios(a):
