@@ -345,24 +345,27 @@ class OptimizerByName:
         groups = [dict(group, params=[self.fqns[i] for i in group["params"]]) for group in sd["param_groups"]]
         return {"state": {self.fqns[i]: state for i, state in sd["state"].items()}, "param_groups": groups}
 
-    def by_group(self, sd, key):  # {key.group.<first name>: a group's options, names and their state}
-        return {f"{key}.group.{group['params'][0]}": {"group": group, "state": {
+    def by_group(self, sd, key):  # {key.group.<first name>: a group's position, options, names, their state}
+        return {f"{key}.group.{group['params'][0]}": {"index": i, "group": group, "state": {
                 name: sd["state"][name] for name in group["params"] if name in sd["state"]}}
-                for group in sd["param_groups"] if group["params"]}
+                for i, group in enumerate(sd["param_groups"]) if group["params"]}
 
     def from_groups(self, saved):
-        """The state_dict of the saved groups (values of by_group()) that hold this optimizer's groups' names."""
+        """The state_dict of the saved groups (values of by_group()) that hold the names of this optimizer's."""
         kind, live = type(self.optimizer).__name__, self.state_dict()["param_groups"]  # names, in this order
-        holding = {name: entry for entry in saved for name in entry["group"]["params"]}
         groups, state = [], {}
-        for group in live:
-            entry = holding.get(group["params"][0]) if group["params"] else {"group": group, "state": {}}
-            saved_names = entry["group"]["params"] if entry else []
-            if sorted(saved_names) != sorted(group["params"]):  # built otherwise: state would go elsewhere
-                other = sorted(set(saved_names) ^ set(group["params"]))
-                raise CheckpointError(f"{kind}'s param group of {group['params'][:3]}... does not hold what it "
-                                      f"held when saved: {other[:10]} are in one of them only")
-            groups.append(dict(entry["group"], params=group["params"]))  # this optimizer's order: torch zips them
+        for i, group in enumerate(live):
+            names = set(group["params"])
+            entry = max(saved, key=lambda e: len(names & set(e["group"]["params"])), default=None) if names else {
+                "index": i, "group": group, "state": {}}  # an empty group holds nothing to restore
+            other = sorted(names ^ set(entry["group"]["params"] if entry else []))
+            if other:  # built otherwise: state would go to other parameters
+                raise CheckpointError(f"{kind}'s param group {i} does not hold the parameters its saved group held: "
+                                      f"{other[:10]} are in one of them only")
+            if entry["index"] != i:  # an LR scheduler's state (base_lrs) is a list in the groups' order
+                raise CheckpointError(f"{kind}'s param group {i} was group {entry['index']} when saved: build the "
+                                      "groups in their saved order (an LR scheduler's state follows it)")
+            groups.append(dict(entry["group"], params=group["params"]))  # in this optimizer's parameter order
             state.update(entry["state"])
         return {"state": state, "param_groups": groups}
 
@@ -449,7 +452,7 @@ def _write_and_commit(state, c):  # steps 4-6 on every rank; in a background thr
     written = _attempt(_write, state, c.digests, c.tmp, c.group)
     try:
         reports = _gather(c.group, f"save of step {c.step}: writing", written)  # rank 0 lists every rank's files
-        path = _rank0(c.group, f"save of step {c.step} (rank 0 commits)", _commit, c, reports)
+        path = _rank0(c.group, f"save of step {c.step}", _commit, c, reports)
     except CheckpointError:  # a rank lost mid-write (its collective failed): nothing is committed
         if _rank() == 0:
             shutil.rmtree(c.tmp, ignore_errors=True)  # gone already if committed
@@ -466,8 +469,14 @@ def _write(state, digests, tmp, group):
     return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
 
 def _commit(c, reports):  # steps 5-6, rank 0; reports: each rank's Outcome of _write(), its files' size and CRC
+    try:
+        return _commit_files(c, reports)
+    finally:  # gone once committed; else removed before any rank hears of the failure: frees the space (a full disk)
+        if os.path.isdir(c.tmp):
+            shutil.rmtree(c.tmp, ignore_errors=True)
+
+def _commit_files(c, reports):
     if any(error is not None for _, error in reports):
-        shutil.rmtree(c.tmp, ignore_errors=True)  # before any rank hears of it: frees the space (a full disk, say)
         failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(reports) if error]
         raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was "
                               "committed; the previous checkpoint is intact")
@@ -483,29 +492,34 @@ def _commit(c, reports):  # steps 5-6, rank 0; reports: each rank's Outcome of _
     replaced = _unique(c.root, REPLACED, c.step) if os.path.isdir(step_dir(c.root, c.step)) else None
     if replaced:  # step N saved again: until the new copy takes its name, the old one is step N under this name
         os.rename(step_dir(c.root, c.step), replaced)
-    os.rename(c.tmp, step_dir(c.root, c.step))  # atomic: the checkpoint appears whole or not at all
+    try:
+        os.rename(c.tmp, step_dir(c.root, c.step))  # atomic: the checkpoint appears whole or not at all
+    except OSError:
+        if replaced:  # this run goes on: its step N is the older copy again
+            os.rename(replaced, step_dir(c.root, c.step))
+        raise
     try:  # the commit stands from here: a later failure is logged, and the next save keeps this step
         fsync_dir(c.root)  # without this, a power cut can undo the renames
     except OSError as e:
         log.warning("step %d is committed, but the fsync of %s failed (a power cut may undo it): %s", c.step, c.root, e)
     if replaced:
         shutil.rmtree(replaced, ignore_errors=True)
-    for step in sorted(_steps(c.root))[: -c.keep] if c.keep else []:  # 6. Retain.
+    for step, name in sorted(_steps(c.root).items())[: -c.keep] if c.keep else []:  # 6. Retain.
         trash = _unique(c.root, f"{TMP}delete-", step)
         try:  # out of load()'s sight first: a crash mid-delete leaves a .tmp- directory, never half a checkpoint
-            os.rename(step_dir(c.root, step), trash)
+            os.rename(os.path.join(c.root, name), trash)
             shutil.rmtree(trash)
         except OSError as e:
-            log.warning("retention: could not remove %s: %s", step_dir(c.root, step), e)
+            log.warning("retention: could not remove %s: %s", os.path.join(c.root, name), e)
     return step_dir(c.root, c.step)
 
 def _move_aside(root, base):
     """Steps after the one this run continues from belong to a branch given up (a rollback): moved aside, highest
     first, they keep their data, and the steps under a root stay one history, the highest the newest commit."""
-    given_up = [s for s in sorted(_steps(root), reverse=True) if base is not None and s > base]
-    for step in given_up:
+    given_up = [(s, name) for s, name in sorted(_steps(root).items(), reverse=True) if base is not None and s > base]
+    for step, name in given_up:
         aside = _unique(root, ABANDONED, step)
-        os.rename(step_dir(root, step), aside)
+        os.rename(os.path.join(root, name), aside)
         log.warning("moved aside %s: not on the branch this run continues from (delete it when not needed)", aside)
     if given_up:
         fsync_dir(root)  # or a power cut brings a given-up step back as the newest

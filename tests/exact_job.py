@@ -397,7 +397,8 @@ def groups_summary(model, opt):
 
 
 def scen_groups(root):
-    """9. Saved with [decay, no_decay], loaded into [no_decay, decay]; then parameters moved between groups."""
+    """9. Saved with [decay, no_decay]: loaded into the same groups, each listing its parameters in another order;
+    into [no_decay, decay]; and with a parameter moved between groups."""
     model = build()
     opt = adamw(model, [("decay", DECAY), ("no_decay", NO_DECAY)])
     for _ in range(2):
@@ -407,13 +408,16 @@ def scen_groups(root):
     ref = {"losses": [step(model, opt) for _ in range(3)]}
     ref.update(weights=weights(model), opt=opt_state(model, opt), groups=groups_summary(model, opt))
 
-    fresh = build(seed=5)
-    reordered = adamw(fresh, [("no_decay", NO_DECAY), ("decay", DECAY)])
     out = {"saved_groups": saved_groups, "ref": ref}
-    out["load"] = expect_failure(lambda: out.update(loaded=ckpt.load(root, fresh, reordered, timeout=TIMEOUT)))
-    out["loaded_groups"] = groups_summary(fresh, reordered)
-    got = {"losses": [step(fresh, reordered) for _ in range(3)]}
-    got.update(weights=weights(fresh), opt=opt_state(fresh, reordered), groups=groups_summary(fresh, reordered))
+    other = build(seed=6)
+    out["reordered"] = expect_failure(lambda: ckpt.load(root, other, adamw(other, [("no_decay", NO_DECAY),
+                                                                                  ("decay", DECAY)]), timeout=TIMEOUT))
+    fresh = build(seed=5)
+    shuffled = adamw(fresh, [("decay", DECAY[::-1]), ("no_decay", NO_DECAY[::-1])])  # torch numbers them otherwise
+    out["load"] = expect_failure(lambda: out.update(loaded=ckpt.load(root, fresh, shuffled, timeout=TIMEOUT)))
+    out["loaded_groups"] = groups_summary(fresh, shuffled)
+    got = {"losses": [step(fresh, shuffled) for _ in range(3)]}
+    got.update(weights=weights(fresh), opt=opt_state(fresh, shuffled), groups=groups_summary(fresh, shuffled))
     out["resumed"] = got
     # A group holding other parameters: b.weight moved from decay to no_decay, at its end or at its front.
     moved = [n for n in DECAY if n != "b.weight"]
