@@ -10,7 +10,8 @@ save(), load(), check_root() and close() are collective: call them on every rank
 step, keep, meta, ...); the model, optimizers and extras are each rank's own (pipeline stages hold different ones).
 A failure on any rank is raised on every rank as CheckpointError. Without a process group (a plain Python process)
 they work as a world of one. Each rule is exact, none inferred from values or history:
-  - A key's value must agree among the ranks that hold it: DCP stores a DTensor's shards, any other value once.
+  - A key's value must agree among the ranks that hold it: DCP stores a DTensor's shards, any other value once;
+    every such value is compared but a parameter (kept equal by its gradient all-reduce) and what is laid out so.
   - Per rank: an extra that is a DataLoader or a Sampler or wrapped as PerRank(obj), and the random generators; at
     another world size such an extra is refused by name, and generators stay as this process seeded them.
   - A tensor of an optimizer or extra laid out like the parameter its key names (optim.0.state.<fqn>.exp_avg,
@@ -44,12 +45,12 @@ Load:
       step-00000100/                  a commit: appears by one rename, once every rank's files are on disk
         manifest.json                 ours: step, world size, optimizer types, each file's size and CRC-32, meta
         .metadata  __0_0.distcp ...   DCP's: where each key is; each rank's shards, the values stored once
-      .tmp-step-00000200-1a2b3c4d/    a save in progress, or interrupted: never loaded
+      .tmp-step-00000200-1a2b3c4d/    a save in progress, or interrupted (.tmp-delete-: retention's): never loaded
       .replaced-step-00000100-5e6f/   the older copy of a step saved again, between two renames: step 100 if alone
       .abandoned-step-00000150-9f8e/  a step given up by a rollback: kept, loaded only if named
-Keys: model.<fqn>; optim.<i>.group.<its first parameter's fqn>: a param group of optimizer i, its options,
-parameter names and their state but the tensors, which are optim.<i>.state.<fqn>.<name>; extra.<name>, its
-tensors laid out like a parameter extra.<name>.<path>; per rank rank.<r>.extra.<name>; generators extra.rng.*.
+Keys: model.<fqn>; optim.<i>.group.<its first parameter's fqn>: a param group of optimizer i, its position, options,
+parameter names and their state but the tensors laid out like a parameter: optim.<i>.state.<fqn>.<name>;
+extra.<name>, its tensors laid out like a parameter extra.<name>.<path>; per rank rank.<r>.extra.<name> (rng.*).
 """
 
 import collections
@@ -87,10 +88,10 @@ MANIFEST, OWNER, TMP, REPLACED, ABANDONED = "manifest.json", ".owner.json", ".tm
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 REPLACED_RE = re.compile(r"^\.replaced-step-(\d{8,})-[0-9a-f]+$")
 FAILURES = (Exception, dcp.CheckpointException)  # DCP raises any rank's failure as a BaseException
+NO_ANCESTOR = -1  # the step a model loaded from an .abandoned- step continues from: every step-N goes aside
 # What torch.load(weights_only=True) restores, inside dicts, lists and tuples: no code from a checkpoint runs.
 PLAIN = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, bytes, torch.dtype, torch.device,
          torch.Size)
-DATA_ORDER = (torch.utils.data.DataLoader, torch.utils.data.Sampler)  # their position is within this rank's shard
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
@@ -106,7 +107,7 @@ Outcome = collections.namedtuple("Outcome", "value error")  # a local step's res
 Generator = collections.namedtuple("Generator", "state_dict load_state_dict")  # a random generator's two calls
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
 _locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0)
-_origins = weakref.WeakKeyDictionary()  # module -> (root, step) its run continues from
+_origins = weakref.WeakKeyDictionary()  # module -> {root: the step its run continues from there}
 _part_loaded = weakref.WeakSet()  # models a load failed to finish writing into: save() refuses them until a load does
 _in_flight = []  # the async save being written, at most one
 _stagers = []  # the async saves' host buffers, kept until close()
@@ -123,7 +124,8 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     # 1. Collect (user code runs here: the extras' state_dict()).
     collected = _attempt(_collect, root, step, keep, model, optimizers, extra, rng, meta)
     # 2. Agree: rank 0 is about to touch the root, for a checkpoint every rank names alike.
-    args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "meta": meta,
+    args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save,
+            "meta": json.dumps(meta, sort_keys=True, default=repr),  # equal JSON, whatever the order of its keys
             "optimizers": [type(o).__name__ for o in optimizers]}
     _vote(group, "save()", collected.error, args)
     state = collected.value
@@ -139,7 +141,8 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     _check_shared(group, tmp)
     manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "torch_version": torch.__version__,
                 "meta": meta or {}, "optimizers": args["optimizers"]}
-    commit = Commit(root, step, tmp, manifest, group, keep, state.base, model, state.digests)
+    commit = Commit(root=root, step=step, tmp=tmp, manifest=manifest, group=group, keep=keep, base=state.base,
+                    model=model, digests=state.digests)
 
     # 4. Write, 5. commit, 6. retain: here, or in a thread on the copy, while training changes the parameters.
     if not async_save:
@@ -183,7 +186,8 @@ def load(path, model, optimizer=None, extra=None, *, verify=True, timeout=DEFAUL
     _part_loaded.discard(model)
     # This model's run continues from here; a step moved aside is no ancestor of the live ones: they all go aside.
     named = os.path.basename(ckpt_dir)
-    _remember(model, os.path.dirname(ckpt_dir), plan.value.step if _step_of(named) is not None else -1)
+    step = plan.value.step if _step_of(named) is not None else NO_ANCESTOR
+    _remember(model, os.path.dirname(ckpt_dir), step, loaded=True)
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, plan.value.step, plan.value.world_size)
     return plan.value.step
 
@@ -239,7 +243,7 @@ def wait_pending():  # the save in flight, if any, must be over before the group
 Collected = collections.namedtuple("Collected", "flat digests base")
 
 def _collect(root, step, keep, model, optimizers, extra, rng, meta):  # step 1
-    if not isinstance(step, int) or step < 0 or not (keep is None or isinstance(keep, int) and keep > 0):
+    if not _count(step, 0) or not (keep is None or _count(keep, 1)):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
     if model in _part_loaded:  # its shards would mix ranks that read a checkpoint with ranks that did not
@@ -282,13 +286,17 @@ def _collect(root, step, keep, model, optimizers, extra, rng, meta):  # step 1
             if key not in like_a_param and not key.startswith("rank.") and not isinstance(value, DTensor)]
     return Collected(flat, {key: _digest(flat[key]) for key in once} if _world_size() > 1 else {}, base)
 
+def _count(n, least):  # an int, not a bool (True would keep one step)
+    return isinstance(n, int) and not isinstance(n, bool) and n >= least
+
 def _layout(t):  # what a tensor laid out like a parameter shares with it
     return (t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else t.shape
 
 def _param_named(path, params):
-    """The name of the parameter that is the longest run of path's dotted parts (optim.0.state.<fqn>.exp_avg,
-    extra.ema.shadow.<fqn>), or None: the key says which, at save and at load alike."""
-    parts = path.split(".")
+    """The name of the parameter that is the longest run of the dotted parts of path after its object's key (two
+    parts: optim.0, extra.ema): optim.0.state.<fqn>.exp_avg, extra.ema.shadow.<fqn>. None if none: the key says
+    which, at save and at load alike."""
+    parts = path.split(".")[2:]
     runs = [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
     return max([run for run in runs if run in params], key=len, default=None)
 
@@ -326,8 +334,13 @@ def _objects(optimizers, names, extra, rng):
     objects = {f"optim.{i}": OptimizerByName(opt, names) for i, opt in enumerate(optimizers)}
     for name, obj in {**(extra or {}), **(generators if rng else {})}.items():
         obj = OptimizerByName(obj, names) if isinstance(obj, torch.optim.Optimizer) else obj  # by name here too
-        objects[f"rank.{_rank()}.extra.{name}" if isinstance(obj, (PerRank, *DATA_ORDER)) else f"extra.{name}"] = obj
+        objects[f"rank.{_rank()}.extra.{name}" if _per_rank(obj) else f"extra.{name}"] = obj
     return objects
+
+def _per_rank(obj):
+    """The rule for where an extra is stored, declared, never guessed from its values: per rank if it is a PerRank
+    (the generators are) or a DataLoader or Sampler (its position is within this rank's shard); else once."""
+    return isinstance(obj, (PerRank, torch.utils.data.DataLoader, torch.utils.data.Sampler))
 
 class OptimizerByName:
     """An optimizer's state_dict() and load_state_dict() keyed by parameter name, not by position, and stored one
@@ -356,9 +369,11 @@ class OptimizerByName:
         groups, state = [], {}
         for i, group in enumerate(live):
             names = set(group["params"])
-            entry = max(saved, key=lambda e: len(names & set(e["group"]["params"])), default=None) if names else {
-                "index": i, "group": group, "state": {}}  # an empty group holds nothing to restore
-            other = sorted(names ^ set(entry["group"]["params"] if entry else []))
+            if not names:  # an empty group: nothing was saved for it
+                groups.append(group)
+                continue
+            entry = max(saved, key=lambda e: len(names & set(e["group"]["params"])))  # the one most like it
+            other = sorted(names ^ set(entry["group"]["params"]))
             if other:  # built otherwise: state would go to other parameters
                 raise CheckpointError(f"{kind}'s param group {i} does not hold the parameters its saved group held: "
                                       f"{other[:10]} are in one of them only")
@@ -377,14 +392,20 @@ class OptimizerByName:
                                   + (" (an LR scheduler adds 'initial_lr' to param_groups: create schedulers before "
                                      "load(), as at save())" if "initial_lr" in lacking else ""))
         self.optimizer.load_state_dict(sd)  # it maps the saved ids (names) onto its parameters in order
-        for name, param in zip(self.fqns, self.params):  # 6. each parameter got the state saved under its name
+        for name, param in zip(self.fqns, self.params):  # 6. each parameter holds the state saved under its name
             now, saved = self.optimizer.state.get(param, {}), sd["state"].get(name, {})
-            if sorted(now) != sorted(saved) or _step(now) != _step(saved):
-                raise CheckpointError(f"optimizer state of {name} after loading: {sorted(now)}, step {_step(now)}; "
-                                      f"saved: {sorted(saved)}, step {_step(saved)}")
+            differ = sorted(set(now) ^ set(saved)) or [k for k in saved if not _same(now[k], saved[k])]
+            if differ:
+                raise CheckpointError(f"optimizer state of {name} after loading is not what was saved under its "
+                                      f"name: {differ} differ")
 
-def _step(state):
-    return float(state["step"]) if "step" in state else None
+def _same(now, saved):  # the tensor read (torch keeps it), or equal values on this rank (torch made a copy)
+    if not isinstance(saved, torch.Tensor):
+        return now == saved
+    if now is saved:
+        return True
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in (now, saved)]
+    return local[0].shape == local[1].shape and torch.equal(local[0].cpu().to(local[1].dtype), local[1].cpu())
 
 def _digest(value):  # of every leaf in order; a tensor's of its bytes (its pickle varies)
     h = hashlib.sha256()
@@ -430,7 +451,8 @@ def _disagreement(differ):  # {key: [ranks holding one value, ranks holding anot
               "extra": "state of each rank's own (a data position): wrap it as ckpt.PerRank(obj); of each pipeline "
                        "stage's own: give each stage's its own name; else make it equal"}
     kinds = sorted({key.split(".")[0] for key in differ})
-    return (f"{len(differ)} value(s) stored once differ among the ranks that hold them: {'; '.join(shown)}. "
+    return (f"{len(differ)} value(s) stored once differ among the ranks that hold them (rank 0 compares every "
+            f"rank's plan): {'; '.join(shown)}. "
             + "; ".join(f"{kind}.*: {advice[kind]}" for kind in kinds))
 
 def _prepare(root, step, base):  # step 3, rank 0
@@ -476,11 +498,11 @@ def _commit(c, reports):  # steps 5-6, rank 0; reports: each rank's Outcome of _
             shutil.rmtree(c.tmp, ignore_errors=True)
 
 def _commit_files(c, reports):
-    if any(error is not None for _, error in reports):
-        failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(reports) if error]
+    if any(report.error is not None for report in reports):  # "" from a rank that failed because another did
+        failed = [f"rank {r}: {report.error}" for r, report in enumerate(reports) if report.error]
         raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was "
                               "committed; the previous checkpoint is intact")
-    files = dict(collections.ChainMap(*(checksums for checksums, _ in reports)))  # each rank's share, merged
+    files = dict(collections.ChainMap(*(report.value for report in reports)))  # each rank's share, merged
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
     with open(os.path.join(c.tmp, MANIFEST), "w") as f:
@@ -504,14 +526,21 @@ def _commit_files(c, reports):
         log.warning("step %d is committed, but the fsync of %s failed (a power cut may undo it): %s", c.step, c.root, e)
     if replaced:
         shutil.rmtree(replaced, ignore_errors=True)
-    for step, name in sorted(_steps(c.root).items())[: -c.keep] if c.keep else []:  # 6. Retain.
-        trash = _unique(c.root, f"{TMP}delete-", step)
-        try:  # out of load()'s sight first: a crash mid-delete leaves a .tmp- directory, never half a checkpoint
-            os.rename(os.path.join(c.root, name), trash)
-            shutil.rmtree(trash)
-        except OSError as e:
-            log.warning("retention: could not remove %s: %s", os.path.join(c.root, name), e)
+    _retain(c.root, c.keep)
     return step_dir(c.root, c.step)
+
+def _retain(root, keep):  # step 6, rank 0: a failure is logged, the commit stands
+    old = sorted(_steps(root).items())[: -keep] if keep else []
+    trash = [_unique(root, f"{TMP}delete-", step) for step, _ in old]
+    try:  # out of load()'s sight first, durably: a crash or a power cut mid-delete leaves .tmp- directories
+        for (_, name), path in zip(old, trash):
+            os.rename(os.path.join(root, name), path)
+        if old:
+            fsync_dir(root)
+        for path in trash:
+            shutil.rmtree(path)
+    except OSError as e:
+        log.warning("retention: could not remove %s: %s", ", ".join(name for _, name in old), e)
 
 def _move_aside(root, base):
     """Steps after the one this run continues from belong to a branch given up (a rollback): moved aside, highest
@@ -530,12 +559,16 @@ def _unique(root, prefix, step):
 def _origin(model, root):
     """The step of root that model's run continues from (loaded from, or last committed), or None. Each module of
     the model keeps it: a torch.compile wrapper finds its model's; an evaluation copy has its own."""
-    found = next((_origins[m] for m in model.modules() if m in _origins), None)
-    return found[1] if found and found[0] == root else None
+    found = next((_origins[m] for m in model.modules() if m in _origins), {})
+    return found.get(root)
 
-def _remember(model, root, step):
+def _remember(model, root, step, loaded=False):
+    """A load replaces what model continues from (its state is that checkpoint's); a commit adds root's step (a run
+    may save to two roots in turn)."""
+    origins = {root: step} if loaded else {**next((_origins[m] for m in model.modules() if m in _origins), {}),
+                                             root: step}
     for module in model.modules():
-        _origins[module] = (root, step)
+        _origins[module] = origins
 
 # ---- load, step by step ----
 
@@ -579,27 +612,29 @@ def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every ra
     resized = manifest["world_size"] != _world_size()
     objects = {}
     for key, obj in _objects(optimizers, names, extra, rng=bool(optimizers)).items():
-        name = key.partition("extra.")[2]  # "" for an optimizer
-        if name.startswith("rng.") and (resized or key not in saved):
+        if ".rng." in key and (resized or key not in saved):
             continue  # generators: at another world size, or saved with rng=False or without CUDA, left as seeded
         if key.startswith("rank.") and resized:
-            raise CheckpointError(f"extra {name!r} is per rank (a position within one rank's shard), saved at world "
-                                  f"size {manifest['world_size']}, not {_world_size()}: resume at that size, or "
-                                  "rebuild it from a global position and leave it out of load()")
-        entries = [k for k in saved if k.startswith(f"{key}.group.")] if isinstance(obj, OptimizerByName) else [key]
-        if not all(k in saved for k in entries) or not entries:
+            raise CheckpointError(f"extra {key.split('.', 3)[3]!r} is per rank (a position within one rank's shard), "
+                                  f"saved at world size {manifest['world_size']}, not {_world_size()}: resume at that "
+                                  "size, or rebuild it from a global position and leave it out of load()")
+        if isinstance(obj, OptimizerByName):  # every group of every stage: matched by the names they hold
+            skeletons = [k for k in saved if k.startswith(f"{key}.group.")]
+        else:
+            skeletons = [key] if key in saved else []
+        if not skeletons:
             raise CheckpointError(f"{_object_of(key)} is not in {ckpt_dir}, which holds {_objects_in(saved)}")
-        request.update({k: _empty_like(saved[k], None) for k in entries})
+        request.update({k: _empty_like(saved[k], None) for k in skeletons})
         live = {}  # an optimizer's present tensors: read into in place, as plain DCP does (no second copy)
         if isinstance(obj, OptimizerByName):
             _walk(obj.state_dict(), lambda path, value: live.setdefault(path, value), key)
         for tensor_key in [k for k in saved if k.startswith(f"{key}.") and hasattr(saved[k], "size")]:
-            name = _param_named(tensor_key, params)
-            if isinstance(obj, OptimizerByName) and name not in obj.fqns:
+            param_name = _param_named(tensor_key, params)
+            if isinstance(obj, OptimizerByName) and param_name not in obj.fqns:
                 continue  # another pipeline stage's parameter
-            if name is None:
+            if param_name is None:
                 raise CheckpointError(f"{tensor_key} is laid out like a parameter this model does not have")
-            request[tensor_key] = _empty_like(saved[tensor_key], params[name], live.get(tensor_key))
+            request[tensor_key] = _empty_like(saved[tensor_key], params[param_name], live.get(tensor_key))
         objects[key] = obj
     return Plan(manifest["step"], manifest["world_size"], metadata, request, objects)
 
@@ -691,7 +726,7 @@ def _steps(root):
     with no step-N beside it is step N, its save again interrupted between the two renames."""
     names = os.listdir(root) if os.path.isdir(root) else []
     caught = {_step_of(name): name for name in names if name.startswith(REPLACED) and _step_of(name) is not None}
-    return caught | {_step_of(name): name for name in names if STEP_RE.match(name)}
+    return caught | {_step_of(name): name for name in names if STEP_RE.match(name)}  # step-N wins over .replaced-
 
 def committed_steps(root):
     return [s for s, name in sorted(_steps(root).items()) if os.path.isfile(os.path.join(root, name, MANIFEST))]
@@ -861,7 +896,7 @@ def _vote(group, what, error=None, args=None):
             return
         reports = [None] * dist.get_world_size()
         _collective(what, dist.all_gather_object, reports, (error, given), group=group)
-    failed = [f"rank {r}: {message}" for r, (message, _) in enumerate(reports) if message]
+    failed = [f"rank {r}: {message}" for r, (message, _) in enumerate(reports) if message]  # "": another did
     if failed or any(message is not None for message, _ in reports):
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
     alike = set.intersection(*[set(other) for _, other in reports])  # what every rank was given

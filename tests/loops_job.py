@@ -389,8 +389,10 @@ def scen_per_rank(work):
     fresh, fresh_position = Counter(), Box({})
     ckpt.load(root, build(1), None, {"sampler": fresh, "position": ckpt.PerRank(fresh_position)})
     differing = outcome(lambda: ckpt.save(os.path.join(work, "differ"), 1, model, None, {"seen": Box({"n": rank()})}))
+    meta = {"lr": 0.1, "arch": "x"} if rank() == 0 else {"arch": "x", "lr": 0.1}  # equal JSON, keys in other orders
+    same_meta = outcome(lambda: ckpt.save(os.path.join(work, "meta"), 1, model, None, meta=meta))
     return {"keys": [k for k in keys if ".rng." not in k], "sampler_back": fresh.i,
-            "position_back": fresh_position.state, "differing": differing,
+            "position_back": fresh_position.state, "differing": differing, "same_meta": same_meta,
             "differ_listing": listing(os.path.join(work, "differ"))}
 
 

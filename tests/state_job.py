@@ -388,15 +388,22 @@ def scen_summary_mismatch(root, out):
     for i in range(2):
         train_step(model, [opt], i)
     ckpt.save(root, 2, model, opt)
-    fresh = build(1)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    torch_load = fresh_opt.load_state_dict
+    out = {}
+    for case in ("step", "swapped"):
+        fresh = build(1)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        torch_load = fresh_opt.load_state_dict
 
-    def misplacing(state_dict):  # puts a.weight's state at another step: a bug in a custom optimizer, or in the
-        torch_load(state_dict)  # id mapping of a future torch; what the check after load() exists for
-        fresh_opt.state[fresh_opt.param_groups[0]["params"][0]]["step"] = torch.tensor(7.0)
-    fresh_opt.load_state_dict = misplacing
-    return outcome(lambda: ckpt.load(root, fresh, fresh_opt))
+        def misplacing(state_dict):  # a bug in a custom optimizer, or in the id mapping of a future torch: what
+            torch_load(state_dict)  # the check after load() exists for
+            a, b = (fresh_opt.state[p] for p in fresh_opt.param_groups[0]["params"][:2])  # a.weight, a.bias
+            if case == "step":  # a.weight's state at another step
+                a["step"] = torch.tensor(7.0)
+            else:  # the first two parameters' moments swapped, their keys and steps alike
+                a["exp_avg_sq"], b["exp_avg_sq"] = b["exp_avg_sq"], a["exp_avg_sq"]
+        fresh_opt.load_state_dict = misplacing
+        out[case] = outcome(lambda: ckpt.load(root, fresh, fresh_opt))
+    return out
 
 
 def scen_same_and_older_step(root, out):
