@@ -17,5 +17,5 @@ VERSION="${1:-2.14.1}"
 VENV="${2:-.venvs/torch-$VERSION}"
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" -m venv "$VENV"
-timeout 1800 "$VENV/bin/python" -m pip install -q "torch==$VERSION" safetensors pytest numpy
+timeout 1800 "$VENV/bin/python" -m pip install -q "torch==$VERSION" safetensors pytest numpy torchdata==0.11.0
 "$VENV/bin/python" -c "import sys, torch; print(f'{sys.executable}: torch {torch.__version__}')"
