@@ -43,6 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import ckpt  # noqa: E402
+from tests import harness  # noqa: E402
 
 SCENARIO_LIMIT = 60  # seconds; a scenario running longer is recorded as hung and the job exits
 TIMEOUT = 60  # of every process group and checkpoint collective here: no test may hang
@@ -267,40 +268,12 @@ def claim(a):
 # ------------------------------------------------------------------------------------ 8-10. scenarios
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
+LOG = harness.Lines()
 
 
-LOG = Lines()
-
-
-class patched:
-    """tests/failpath_job.py's: replace ckpt.<dotted name> on one rank (None: every rank) while the call runs."""
-
-    def __init__(self, name, on_rank, fake):
-        *path, self.attr = name.split(".")
-        self.owner = ckpt
-        for part in path:
-            self.owner = getattr(self.owner, part)
-        self.mine, self.fake = on_rank is None or rank() == on_rank, fake
-
-    def __enter__(self):
-        self.own = self.attr in vars(self.owner)
-        self.real = vars(self.owner).get(self.attr)
-        if self.mine:
-            setattr(self.owner, self.attr, self.fake)
-
-    def __exit__(self, *exc):
-        if self.mine:
-            if self.own:
-                setattr(self.owner, self.attr, self.real)
-            else:
-                delattr(self.owner, self.attr)
+def patched(name, on_rank, fake):
+    """Replace ckpt.<dotted name> on one rank (None: every rank) while the call runs (harness.Patched)."""
+    return harness.Patched(ckpt, name, on_rank is None or rank() == on_rank, fake)
 
 
 def expect_failure(fn):

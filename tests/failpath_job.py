@@ -16,7 +16,6 @@ recorded as hung and the job exits at once: the test then fails naming it, inste
 import argparse
 import datetime
 import faulthandler
-import fcntl
 import gc
 import hashlib
 import json
@@ -134,30 +133,10 @@ def expect_failure(fn):
     return {"raised": None, "msg": "", "secs": round(time.monotonic() - t0, 3)}
 
 
-class patched:
-    """Replace ckpt.<dotted name> (a function of ckpt, of a module or class it uses) on one rank (on_rank=None:
-    on every rank); the other ranks run the real thing. ckpt.zlib.crc32 and ckpt.os.makedirs patch those modules
-    for the whole process, while the call runs."""
-
-    def __init__(self, name, on_rank, fake):
-        *path, self.attr = name.split(".")
-        self.owner = ckpt
-        for part in path:
-            self.owner = getattr(self.owner, part)
-        self.mine, self.fake = on_rank is None or RANK == on_rank, fake
-
-    def __enter__(self):
-        self.own = self.attr in vars(self.owner)  # else inherited: restored by deleting ours
-        self.real = vars(self.owner).get(self.attr)
-        if self.mine:
-            setattr(self.owner, self.attr, self.fake)
-
-    def __exit__(self, *exc):
-        if self.mine:
-            if self.own:
-                setattr(self.owner, self.attr, self.real)
-            else:
-                delattr(self.owner, self.attr)
+def patched(name, on_rank, fake):
+    """Replace ckpt.<dotted name> on one rank (on_rank=None: on every rank) while the call runs; the other ranks run
+    the real thing (harness.Patched)."""
+    return harness.Patched(ckpt, name, on_rank is None or RANK == on_rank, fake)
 
 
 def raiser(exc):
@@ -322,18 +301,6 @@ def owner_file(root):
     return json.loads(text) if text else None
 
 
-def lock_is_free(root):
-    """Whether another process could claim root now: try its lock (from a new open file, not ckpt's)."""
-    fd = os.open(os.path.join(root, ckpt.OWNER), os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)  # releases it, if taken
-
-
 def stale_owner(root, text):
     """Rank 0 writes a claim's record that no live process locks (its run died), atomically: ranks read it."""
     dist.barrier()
@@ -432,7 +399,7 @@ def scen_foreign_live_claim(root):
     dist.barrier()
     out["owner_unchanged"] = owner_file(root) == owner_before
     out["listing_after"] = listing(root)
-    out["held_while_refused"] = not lock_is_free(root)
+    out["held_while_refused"] = not harness.lock_is_free(root)
     dist.barrier()
     if holder[0]:
         holder[0].communicate("", timeout=30)  # the other run ends (without close(): as if it died)
@@ -466,7 +433,7 @@ def scen_training_claims(root):
     out["fresh_check_root"] = expect_failure(lambda: ckpt.check_root(fresh_root, model, timeout=HOUR))
     out["fresh_save"] = expect_failure(lambda: ckpt.save(fresh_root, 1, model, opt, timeout=HOUR))
     out["fresh_listing"] = listing(fresh_root)
-    out["fresh_lock_free"] = lock_is_free(fresh_root) if RANK == 0 else None  # one prober: ranks would race
+    out["fresh_lock_free"] = harness.lock_is_free(fresh_root) if RANK == 0 else None  # one prober: ranks would race
     return out
 
 
@@ -939,7 +906,7 @@ try:
     results["close"]["claims_after"] = claims()
     claimed = [os.path.join(args.work, n) for n in results["close"]["claims_before"] if n != "live"]
     if RANK == 0:  # one prober: two ranks probing at once would find each other's probe
-        results["close"]["locks_free"] = all(lock_is_free(r) for r in claimed + [args.live_root] if r)
+        results["close"]["locks_free"] = all(harness.lock_is_free(r) for r in claimed + [args.live_root] if r)
     results["job_secs"] = round(time.monotonic() - t_job, 1)
     dump()
     ckpt.close()

@@ -1,5 +1,6 @@
 """Launch real torchrun jobs from tests, always within a time limit, and read their logs."""
 
+import fcntl
 import json
 import logging
 import os
@@ -126,3 +127,40 @@ class Lines(logging.Handler):
         lines = [ln for ln in self.lines if any(p in ln for p in phrases)]
         self.lines.clear()
         return lines
+
+
+def lock_is_free(root):
+    """Whether another process could claim root now: try its lock (from a new open file, not ckpt's)."""
+    fd = os.open(os.path.join(root, ".owner.json"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # releases it, if taken
+
+
+class Patched:
+    """Replace <module>.<dotted name> (a function of ckpt, or of a module or class it uses) in this process while the
+    with-block runs, if mine (the scenario's rank); ckpt.zlib.crc32 and ckpt.os.makedirs patch those modules."""
+
+    def __init__(self, module, name, mine, fake):
+        *path, self.attr = name.split(".")
+        self.owner = module
+        for part in path:
+            self.owner = getattr(self.owner, part)
+        self.mine, self.fake = mine, fake
+
+    def __enter__(self):
+        self.own = self.attr in vars(self.owner)  # else inherited: restored by deleting ours
+        self.real = vars(self.owner).get(self.attr)
+        if self.mine:
+            setattr(self.owner, self.attr, self.fake)
+
+    def __exit__(self, *exc):
+        if self.mine:
+            if self.own:
+                setattr(self.owner, self.attr, self.real)
+            else:
+                delattr(self.owner, self.attr)

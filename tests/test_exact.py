@@ -17,7 +17,6 @@ Items 8-10 share one 2-rank job (scenarios, as tests/failpath_job.py runs them).
 """
 
 import collections
-import fcntl
 import json
 import os
 import re
@@ -31,7 +30,7 @@ from tests import launch  # first: its warm rank processes import torch while th
 
 import ckpt  # noqa: E402
 from tests import exact_job  # noqa: E402
-from tests.harness import REPO, processes  # noqa: E402
+from tests.harness import REPO, lock_is_free, processes  # noqa: E402
 
 JOB = os.path.join(REPO, "tests", "exact_job.py")
 STEPS = 8  # exact_job.py train's defaults: save every 2 steps, keep 2
@@ -40,18 +39,6 @@ STEPS = 8  # exact_job.py train's defaults: save every 2 steps, keep 2
 def alive(pid):
     state = processes().get(pid)
     return state is not None and state[1] != "Z"
-
-
-def lock_is_free(root):
-    """Whether another process could claim root now (tests/failpath_job.py's probe)."""
-    fd = os.open(os.path.join(root, ckpt.OWNER), os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def read_json(path):
