@@ -671,7 +671,7 @@ def _check_covered(group, ckpt_dir, plan, resuming):
         raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model: {len(not_in_model)} key(s) not in "
                               f"the model: {not_in_model[:10]}")
     def why(name):  # generators at another world size, or what load() was not given
-        if name.endswith("(per rank)") and plan.world_size != _world_size():
+        if name.startswith("extra.rng.") and plan.world_size != _world_size():
             return f"{name[:-1]}, saved at world size {plan.world_size}: left as this process seeded it)"
         return f"{name} (not passed to load())"
     if resuming and left and _rank() == 0:  # a weights-only load leaves the rest behind by design

@@ -1,15 +1,14 @@
 """Resume continuity: an interrupted and resumed run equals an uninterrupted one, bit for bit.
 
-Guards against the field's "loss spike on the first steps after resuming a sharded
-checkpoint": optimizer state restored by position or not at all, the LR schedule
-restarting, RNG or data position forgotten. Two negative controls prove that the
-comparison sees exactly those failures.
+Guards against the field's "loss spike on the first steps after resuming a sharded checkpoint": optimizer state
+restored by position or not at all, the LR schedule restarting, RNG or data position forgotten. Two negative
+controls prove that the comparison sees exactly those failures.
 
     python -m pytest -v test_resume.py
 
 Point it at your own training script to check your integration of ckpt.py:
 
-    python test_resume.py --script path/to/train.py [--nproc 2] [--args="--model tiny"]
+    python test_resume.py --script path/to/train.py [--nproc 2] [--args="--model tiny"]   # from this repository
     CKPT_TEST_SCRIPT=path/to/train.py CKPT_TEST_NPROC=2 CKPT_TEST_ARGS="--model tiny" python -m pytest -s test_resume.py
 
 The script must accept --steps N (the length of the whole run, whose last step it saves), --stop-after K
@@ -151,8 +150,9 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
     figures = ", ".join(f"max |d{k}| = {max_abs_diff(reference, log, k):.3e}" for k in measured)
     print(f"\nresumed at 6 and 11: {figures} over {len(log)} steps (compared: {', '.join(keys)})")
     for s in range(1, STEPS + 1):
-        hint = ("; the first step after a resume: is every object this value depends on in extra (an EMA, the data "
-                "position), and does anything draw from the global RNG between load() and that step?"
+        hint = ("; the first step after a resume: is every object it depends on in extra (an EMA, the data position)? "
+                "Does anything draw from torch's RNG between load() and that step (a DataLoader without its own "
+                "generator; a model built after load())? Do DataLoader workers draw from theirs (seed by sample)?"
                 if s in (7, 12) else "")
         for k in keys:
             only = "the resumed run" if k in log[s] else "the uninterrupted run"
