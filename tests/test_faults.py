@@ -105,15 +105,15 @@ def reference(tmp_path_factory):
 # 1-2. SIGKILL of a rank at each point of a save, and ENOSPC on one rank: one chain of runs on one root
 # ---------------------------------------------------------------------------
 
-# fault, rank, the save it hits, committed steps right after, leftover temp entry. Each run resumes from the
+# fault, rank, the save it hits, committed steps right after, leftover temp entries. Each run resumes from the
 # newest commit the one before left; the run after the last fault trains to the end.
 CHAIN = [
-    ("kill_before_write", 1, 4, [2], None),    # temp dir made, no byte of rank 1's shard: rank 0 removes it
-    ("kill_mid_write", 1, 4, [2], None),       # rank 1's shard torn at 256 KiB: rank 0 removes the temp dir
-    ("kill_before_commit", 0, 4, [2], ".tmp-step-00000004"),   # every file and the manifest written, not renamed
-    ("kill_after_commit", 0, 4, [2, 4], None),                 # renamed, retention (keep=1) never ran
-    ("kill_mid_retain", 0, 6, [4, 6], ".tmp-delete-step-00000002"),  # step 2 half deleted, 4 not yet
-    ("enospc", 1, 8, [4, 6], ".tmp-step-00000008"),            # rank 1's write fails: disk full
+    ("kill_before_write", 1, 4, [2], []),      # temp dir made, no byte of rank 1's shard: rank 0 removes it
+    ("kill_mid_write", 1, 4, [2], []),         # rank 1's shard torn at 256 KiB: rank 0 removes the temp dir
+    ("kill_before_commit", 0, 4, [2], [".tmp-step-00000004"]),   # every file and the manifest written, not renamed
+    ("kill_after_commit", 0, 4, [2, 4], []),                 # renamed, retention (keep=1) never ran
+    ("kill_mid_retain", 0, 6, [6], [".tmp-delete-step-00000002", ".tmp-delete-step-00000004"]),  # both out of sight
+    ("enospc", 1, 8, [6], [".tmp-step-00000008"]),           # rank 1's write fails: disk full
 ]
 Link = collections.namedtuple("Link", "run log start committed temps leftover_verifies")
 
@@ -155,7 +155,7 @@ def test_kill_during_save(reference, chain, i):
     assert link.run.rcs[other] not in (0, -signal.SIGKILL), f"rank {other} must fail, not hang:\n{link.run.out[-3000:]}"
     assert link.committed == committed, "the newest committed checkpoint must be the last one that completed"
     # Temporary names carry a unique suffix: a leftover never blocks a later save.
-    assert unsuffixed(link.temps) == ([leftover] if leftover else [])
+    assert unsuffixed(link.temps) == leftover  # retention: every old step renamed out of sight (fsynced), then deleted
     if fault == "kill_mid_write":
         assert f"after {256 * 1024} bytes" in link.run.ev["fired.1"], "rank 1 must die with its shard torn"
     if fault == "kill_before_commit":
@@ -167,8 +167,8 @@ def test_kill_during_save(reference, chain, i):
     # resumes from the newest commit and trains bit-exactly up to its own fault.
     print(f"before the kill: max |dloss| = {dloss:.3e}; the next run resumed from step {after.start}")
     assert after.start == committed[-1]
-    if leftover:
-        assert f"removed {root / link.temps[0]}, left by an interrupted save" in after.run.out
+    for name in link.temps:
+        assert f"removed {root / name}, left by an interrupted save" in after.run.out
     assert after.log, f"the next run trained no step:\n{after.run.out[-3000:]}"
     last = max(after.log)
     dloss = assert_same_losses(reference["log"], after.log, range(after.start + 1, last + 1))
@@ -191,7 +191,7 @@ def test_enospc_on_one_rank(reference, chain):
         assert err.startswith("CheckpointError") and "writing failed on" in err
         assert "rank 1: " in err and "No space left on device" in err, f"rank {r}'s error must name rank 1 and why"
         assert "Nothing was committed; the previous checkpoint is intact" in err
-    assert link.committed == [4, 6], "nothing new may be committed, and the previous checkpoint must stay"
+    assert link.committed == [6], "nothing new may be committed, and the previous checkpoint must stay"
     assert after.start == 6
     dloss = assert_same_losses(reference["log"], after.log, range(7, STEPS + 1))
     print(f"resumed from step 6: max |dloss| = {dloss:.3e}")
