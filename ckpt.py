@@ -197,7 +197,7 @@ def check_root(root, model, timeout=DEFAULT_TIMEOUT):
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
     _vote(group, "check_root()", None, {"root": root})
-    _rank0(group, "check_root() (rank 0)", _claim, root, _origin(model, root))
+    _rank0(group, "check_root() (rank 0)", _claim, root, _origins_of(model).get(root))
     _check_shared(group, os.path.join(root, OWNER))
 
 def close():
@@ -249,7 +249,7 @@ def _collect(root, step, keep, model, optimizers, extra, rng, meta):  # step 1
     if model in _part_loaded:  # its shards would mix ranks that read a checkpoint with ranks that did not
         raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
                               "optimizers may hold part of it: load() again before saving")
-    base = _origin(model, root)
+    base = _origins_of(model).get(root)
     if base is not None and step < base:
         raise CheckpointError(f"save(): step {step} is before step {base}, which this model was loaded from or "
                               f"committed in {root}: to go back, load that step first (a rollback)")
@@ -556,17 +556,15 @@ def _move_aside(root, base):
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
 
-def _origin(model, root):
-    """The step of root that model's run continues from (loaded from, or last committed), or None. Each module of
-    the model keeps it: a torch.compile wrapper finds its model's; an evaluation copy has its own."""
-    found = next((_origins[m] for m in model.modules() if m in _origins), {})
-    return found.get(root)
+def _origins_of(model):
+    """{root: the step model's run continues from there (loaded from, or last committed)}. Each module of the model
+    keeps it: a torch.compile wrapper finds its model's; an evaluation copy has its own."""
+    return next((_origins[m] for m in model.modules() if m in _origins), {})
 
 def _remember(model, root, step, loaded=False):
     """A load replaces what model continues from (its state is that checkpoint's); a commit adds root's step (a run
     may save to two roots in turn)."""
-    origins = {root: step} if loaded else {**next((_origins[m] for m in model.modules() if m in _origins), {}),
-                                             root: step}
+    origins = {root: step} if loaded else {**_origins_of(model), root: step}
     for module in model.modules():
         _origins[module] = origins
 
