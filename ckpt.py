@@ -9,64 +9,71 @@
 save(), load(), check_root() and close() are collective: call them on every rank, naming the same checkpoint (root,
 step, keep, meta, ...); the model, optimizers and extras are each rank's own (pipeline stages hold different ones).
 A failure on any rank is raised on every rank as CheckpointError. Without a process group (a plain Python process)
-they work as a world of one. Each rule is exact, none inferred from values or history:
-  - A key's value must agree among the ranks that hold it: DCP stores a DTensor's shards, any other value once;
-    every such value is compared but a parameter (kept equal by its gradient all-reduce) and what is laid out so.
-  - Per rank: an extra that is a DataLoader or a Sampler or wrapped as PerRank(obj), and the random generators; at
-    another world size such an extra is refused by name, and generators stay as this process seeded them.
-  - A tensor of an optimizer or extra laid out like the parameter its key names (optim.0.state.<fqn>.exp_avg,
-    extra.ema.shadow.<fqn>) is stored under that key, and comes back laid out like that parameter today.
-  - A model's run continues from the step it was loaded from, or last committed: a save moves later steps aside.
+they work as a world of one. Each rule is said by the caller or read from the objects' own structure, never
+inferred from names, values or history:
+  - Keys by construction. model.<fqn>; each optimizer's state by its parameters' names, optim.<i>.state.<fqn>.<name>
+    (its tensors), and one value per param group, optim.<i>.group.<first fqn> (options, names, the rest of their
+    state); an extra's state at extra.<name>, each of its tensors at extra.<name>.<path>; per rank rank.<r>.extra.*.
+  - A key's value must agree among the ranks that hold it: DCP stores a DTensor's shards, any other value once. All
+    are compared but DTensors, the model's parameters and their optimizer state (the gradient all-reduce keeps those
+    equal: hashing them would read the whole model at every save).
+  - Per rank, declared: an extra that is a DataLoader, a Sampler or PerRank(obj), and the random generators. At
+    another world size such an extra is refused by name; generators stay as this process seeded them.
+  - A resume is a load() with the optimizer; a load without it is an initialisation. A root that holds commits takes
+    saves only from a resumed model, and never one that leaves a later step its newest commit: giving up later steps
+    is said, check_root(root, model, rollback_to=step).
 
 Save (the code carries the same numbers):
-  1. Collect the model's state (get_model_state_dict), each optimizer's state_dict() by parameter name, one value
-     per param group, and each extra's state_dict(); nothing runs an optimizer step. Refuse what load() could
-     not restore, and a step before the one this model continues from.
+  1. Collect the model's state (get_model_state_dict), each optimizer's state_dict() by parameter name, and each
+     extra's state_dict(); nothing runs an optimizer step. Refuse what load() could not restore.
   2. Agree: one all-reduce tells every rank that no rank failed and all name the same checkpoint.
-  3. Prepare: rank 0 claims the root (a lock held while the run lives; refused if another run holds it, or if the
-     root holds checkpoints this model was not loaded from) and makes .tmp-step-N-<id>; every rank must see it.
-  4. Write: dcp.save() writes and fsyncs each rank's files; each rank's plan carries a digest of each value stored
-     once, which its holders must agree on. Each rank CRCs its share of the files. With async_save, the state
-     was copied to host memory after step 2, and steps 4-6 run in a background thread.
-  5. Commit: rank 0 writes manifest.json (each file's size and CRC), moves aside the steps after the one this
-     model continues from, and renames the directory to step-N (an older copy of step N is replaced).
+  3. Prepare: rank 0 claims the root (a lock held while the run lives; refused if another run holds it, if the root
+     holds commits and the model was not resumed, or a later step) and makes .tmp-step-N-<id>; every rank sees it.
+  4. Write: dcp.save() writes and fsyncs each rank's files; each rank's plan carries a digest of each value compared,
+     which its holders must agree on. Each rank CRCs its share of the files, in 64 MiB chunks, in parallel.
+     async_save: the tensors are first copied to host memory beside the loop (a CUDA stream, else a thread) while
+     the next forward and backward run; each optimizer's next step() waits for the copy; steps 4-6 run in a thread.
+  5. Commit: rank 0 writes manifest.json (the step, each file's size and CRCs, its own CRC) and renames the
+     directory to step-N (an older copy of step N is replaced).
   6. Retain: rank 0 removes all but the newest `keep` steps.
 Load:
   1-2. Agree on the arguments; rank 0 chooses the highest step-N under the root (or the directory given).
-  3-4. Verify: each rank checks the size and CRC of its share of the files before anything is read; match DCP's
-     .metadata, unpickled without running code, to this rank's model, optimizers and extras. Every model key of
-     the checkpoint must be some rank's.
+  3-4. Verify: the manifest's CRC and step; each rank the size and CRCs of its share of the files and .metadata
+     before anything is read or unpickled; match .metadata, unpickled without running code, to this rank's model,
+     optimizers and extras. Every model key of the checkpoint must be some rank's; a resume, the stage count.
   5. Read: dcp.load() into the live shards, resharding if the layout changed; each optimizer gets its groups and
      each parameter's state by name (Optimizer.load_state_dict); each extra's load_state_dict() what it saved.
-  6. Verify each parameter's optimizer state: its keys and the step it was saved with.
+  6. Verify each parameter's optimizer state: its keys and values are what was saved under its name.
 
     root/
       .owner.json                     locked by the run that writes here; says who it is: host, pid, job
       step-00000100/                  a commit: appears by one rename, once every rank's files are on disk
-        manifest.json                 ours: step, world size, optimizer types, each file's size and CRC-32, meta
+        manifest.json                 ours: step, world size, stages, optimizer types, each file's CRCs, meta
         .metadata  __0_0.distcp ...   DCP's: where each key is; each rank's shards, the values stored once
       .tmp-step-00000200-1a2b3c4d/    a save in progress, or interrupted (.tmp-delete-: retention's): never loaded
       .replaced-step-00000100-5e6f/   the older copy of a step saved again, between two renames: step 100 if alone
+      .rollback-to-00000100           a rollback in progress: steps above 100 are unseen until it is finished
       .abandoned-step-00000150-9f8e/  a step given up by a rollback: kept, loaded only if named
-Keys: model.<fqn>; optim.<i>.group.<its first parameter's fqn>: a param group of optimizer i, its position, options,
-parameter names and their state but the tensors laid out like a parameter: optim.<i>.state.<fqn>.<name>;
-extra.<name>, its tensors laid out like a parameter extra.<name>.<path>; per rank rank.<r>.extra.<name> (rng.*).
 """
 
 import collections
 import concurrent.futures
 import dataclasses
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import random
 import re
 import shutil
+import signal
 import socket
+import threading
 import uuid
 import warnings
 import weakref
@@ -77,21 +84,27 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor
 import torch.utils.data
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+OLDEST_TORCH = (2, 11)
+if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < OLDEST_TORCH:
+    raise ImportError(f"ckpt.py needs torch >= {'.'.join(map(str, OLDEST_TORCH))}, not {torch.__version__}")
+
 log = logging.getLogger("ckpt")
-FORMAT = 5  # of manifest.json and of the keys
+FORMAT = 6  # of manifest.json and of the keys
 DEFAULT_TIMEOUT = datetime.timedelta(hours=1)  # of checkpoint collectives; training keeps its own, shorter one
 MANIFEST, OWNER, TMP, REPLACED, ABANDONED = "manifest.json", ".owner.json", ".tmp-", ".replaced-", ".abandoned-"
+ROLLBACK = ".rollback-to-"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 REPLACED_RE = re.compile(r"^\.replaced-step-(\d{8,})-[0-9a-f]+$")
+NAMED_STEP_RE = re.compile(r"^(?:\.[a-z]+-)?step-(\d{8,})(?:-[0-9a-f]+)?$")  # the step a directory's name says
+CHUNK = 64 << 20  # bytes per CRC in the manifest: chunks are checked in parallel
 FAILURES = (Exception, dcp.CheckpointException)  # DCP raises any rank's failure as a BaseException
-NO_ANCESTOR = -1  # the step a model loaded from an .abandoned- step continues from: every step-N goes aside
-# What torch.load(weights_only=True) restores, inside dicts, lists and tuples: no code from a checkpoint runs.
+# What torch.load(weights_only=True) restores, inside dicts, OrderedDicts, lists and tuples: no checkpoint runs code.
 PLAIN = (torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, bytes, torch.dtype, torch.device,
          torch.Size)
+CONTAINERS = (dict, collections.OrderedDict, list, tuple)  # exactly these: a namedtuple would come back a tuple
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
@@ -106,49 +119,43 @@ class PerRank:
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
 Generator = collections.namedtuple("Generator", "state_dict load_state_dict")  # a random generator's two calls
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
-_locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0)
-_origins = weakref.WeakKeyDictionary()  # module -> {root: the step its run continues from there}
+_locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0; None: lock=False)
+_resumed = weakref.WeakSet()  # the modules of models a load() with their optimizer restored
 _part_loaded = weakref.WeakSet()  # models a load failed to finish writing into: save() refuses them until a load does
-_in_flight = []  # the async save being written, at most one
-_stagers = []  # the async saves' host buffers, kept until close()
+_in_flight = []  # the async save being copied and written, at most one
+_buffers = {}  # key -> its host buffer for async saves (pinned with CUDA): made once, reused, dropped by close()
 
 def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
          timeout=DEFAULT_TIMEOUT):
     """Write a checkpoint of `step` under root; return its path once committed (async_save: a PendingSave).
 
     optimizer: one, a list, or None (the model alone). extra: {name: object with state_dict() and load_state_dict()}.
-    keep: how many steps to keep (None: all). meta: JSON for the manifest. A step this model committed or was
-    loaded from is replaced by the state given now; an older one is refused."""
-    wait_pending()  # one save in flight at a time: two would race for the root
+    keep: how many steps to keep (None: all). meta: JSON for the manifest. A step saved again is replaced."""
+    wait_pending()  # one save in flight at a time: two would race for the root and the host buffers
     group, root, optimizers = checkpoint_group(timeout), os.path.realpath(root), _as_list(optimizer)
     # 1. Collect (user code runs here: the extras' state_dict()).
-    collected = _attempt(_collect, root, step, keep, model, optimizers, extra, rng, meta)
+    collected = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta)
     # 2. Agree: rank 0 is about to touch the root, for a checkpoint every rank names alike.
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save,
             "meta": json.dumps(meta, sort_keys=True, default=repr),  # equal JSON, whatever the order of its keys
             "optimizers": [type(o).__name__ for o in optimizers]}
     _vote(group, "save()", collected.error, args)
-    state = collected.value
-    if async_save:  # copied to host memory first: a rank that cannot (out of memory) fails every rank, nothing made
-        if not _stagers:  # kept until close(): from the second async save on, it copies into memory already there
-            options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                     use_async_staging=False, use_non_blocking_copy=False)  # a plain, finished copy
-            _stagers.append(DefaultStager(options))
-        staged = _attempt(_stagers[0].stage, state.flat)
-        _vote(group, "save: copy the state to host memory", staged.error)
+    flat, hashed = collected.value
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
-    tmp = _rank0(group, f"save: prepare step {step} in {root} (rank 0)", _prepare, root, step, state.base)
+    resumed = any(m in _resumed for m in model.modules())
+    tmp = _rank0(group, f"save: prepare step {step} in {root} (rank 0)", _prepare, root, step, resumed)
     _check_shared(group, tmp)
     manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "torch_version": torch.__version__,
                 "meta": meta or {}, "optimizers": args["optimizers"]}
-    commit = Commit(root=root, step=step, tmp=tmp, manifest=manifest, group=group, keep=keep, base=state.base,
-                    model=model, digests=state.digests)
-
-    # 4. Write, 5. commit, 6. retain: here, or in a thread on the copy, while training changes the parameters.
+    commit = Commit(root=root, step=step, tmp=tmp, manifest=manifest, group=group, keep=keep, hashed=hashed)
+    # 4. Write, 5. commit, 6. retain: here, or in a thread once the tensors are copied to host memory.
     if not async_save:
-        return _write_and_commit(state.flat, commit)
+        return _write_and_commit(flat, commit)
+    copy = HostCopy(flat)  # started: the loop goes on while it runs
+    hooks = [opt.register_step_pre_hook(lambda *_: copy.release())  # a step would write what is being copied
+             for opt in [*optimizers, *(extra or {}).values()] if isinstance(opt, torch.optim.Optimizer)]
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
-    pending = PendingSave(pool.submit(_write_and_commit, staged.value, commit))
+    pending = PendingSave(copy, pool.submit(_write_and_commit, flat, commit, copy), hooks)
     pool.shutdown(wait=False)  # not "with": leaving it would wait for the write
     _in_flight.append(pending)
     return pending
@@ -156,14 +163,14 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
 def load(path, model, optimizer=None, extra=None, *, verify=True, timeout=DEFAULT_TIMEOUT):
     """Restore the highest step under path, or the checkpoint at path; return its step (None if there is none).
 
-    optimizer: as in save(); with one, a resume, the random generators are restored too. Without (None), the
-    weights and the extras given alone. verify=False skips the CRCs. Loading claims nothing (an evaluation job
-    reads a root training writes); the model's run continues from the step loaded (an older one: a rollback)."""
+    optimizer: as in save(); with one, a resume: the random generators are restored too, and the model may save to
+    roots holding commits. Without (None), an initialisation: the weights and the extras given alone. verify=False
+    skips the CRCs. Loading claims nothing: an evaluation job reads a root that training writes."""
     wait_pending()  # a background save uses the same group
     group, path, optimizers = checkpoint_group(timeout), os.path.realpath(path), _as_list(optimizer)
     # 1. Agree on the arguments (a rank in save() and another in load() meet here, not in a hang), and 2. rank 0
     # alone chooses, so that every rank loads the same checkpoint.
-    _vote(group, "load()", None, {"path": path, "verify": verify})
+    _vote(group, "load()", None, {"path": path, "verify": verify, "resume": bool(optimizers)})
     ckpt_dir = _rank0(group, "load(): rank 0 chooses the checkpoint", find_checkpoint, path)
     if ckpt_dir is None:
         _say_why_none(path)
@@ -177,50 +184,59 @@ def load(path, model, optimizer=None, extra=None, *, verify=True, timeout=DEFAUL
     _part_loaded.add(model)  # until every rank restored it all: a failure leaves it part-loaded
     try:
         reader = SafeReader(ckpt_dir, plan.value.metadata)
-        _dcp(dcp.load, plan.value.request, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+        planner = SafeLoadPlanner(plan.value.stages if optimizers else None)  # a resume: the same stage count
+        _dcp(dcp.load, plan.value.request, storage_reader=reader, planner=planner, process_group=group)
     except FAILURES as e:  # DCP raises every rank's failure on every rank
         cause = f": {_describe(e)}" if os.path.isdir(ckpt_dir) else ""  # a vanished step: _instead() says so
         raise CheckpointError(f"reading {ckpt_dir} failed{cause}.{_instead(ckpt_dir)}") from e
     restored = _attempt(_restore, plan.value, model)
     _vote(group, f"load: restore {ckpt_dir}", restored.error)
     _part_loaded.discard(model)
-    # This model's run continues from here; a step moved aside is no ancestor of the live ones: they all go aside.
-    named = os.path.basename(ckpt_dir)
-    step = plan.value.step if _step_of(named) is not None else NO_ANCESTOR
-    _remember(model, os.path.dirname(ckpt_dir), step, loaded=True)
+    if optimizers:  # its run continues: it may save where commits are (check_root(), save() step 3)
+        _resumed.update(model.modules())  # each module: a torch.compile wrapper finds its model's
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, plan.value.step, plan.value.world_size)
     return plan.value.step
 
-def check_root(root, model, timeout=DEFAULT_TIMEOUT):
+def check_root(root, model, *, rollback_to=None, lock=True, timeout=DEFAULT_TIMEOUT):
     """Claim root for the run that trains model, after load(): a wrong or node-local path, another live run there,
-    or checkpoints there that model was not loaded from (a forgotten resume) fail now, not at the first save."""
+    or commits there while model was not resumed (a forgotten resume) fail now, not at the first save.
+
+    rollback_to=step: give up every step after it (moved aside as .abandoned-, durably, before this returns): to
+    continue from an older step than the newest. lock=False: claim no lock (file systems without flock, under a
+    scheduler that runs one job per root): nothing then stops a second run from deleting this one's saves."""
     wait_pending()
     group, root = checkpoint_group(timeout), os.path.realpath(root)
-    _vote(group, "check_root()", None, {"root": root})
-    _rank0(group, "check_root() (rank 0)", _claim, root, _origins_of(model).get(root))
-    _check_shared(group, os.path.join(root, OWNER))
+    valid = rollback_to is None or _count(rollback_to, 0)
+    _vote(group, "check_root()", None if valid else f"rollback_to must be a step (an int >= 0), not {rollback_to!r}",
+          {"root": root, "rollback_to": rollback_to, "lock": lock})
+    resumed = any(m in _resumed for m in model.modules())
+    _rank0(group, "check_root() (rank 0)", _claim, root, None, resumed, rollback_to, lock)
+    _check_shared(group, os.path.join(root, OWNER) if lock else root)
 
 def close():
     """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): wait for a save in flight,
-    release the root, free the async host buffers, and destroy ckpt's process groups (not to outlive the default)."""
+    release the root, drop the async host buffers, and destroy ckpt's process groups (not to outlive the default)."""
     try:
         wait_pending()
     finally:
         for owner in _locks.values():  # first: the root is released whatever fails below
-            os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
-            os.close(owner)  # releases the lock
-        for stager in _stagers:
-            stager.close()
-        for registry in (_stagers, _locks, _origins, _part_loaded):  # the next run in this process starts afresh
+            if owner is not None:
+                os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
+                os.close(owner)  # releases the lock
+        for registry in (_buffers, _locks, _resumed, _part_loaded):  # the next run in this process starts afresh
             registry.clear()
         while _groups:  # last: it raises if the default group is gone already
             dist.destroy_process_group(_groups.popitem()[1])
 
 class PendingSave:
-    """An async save, written and committed by a background thread on every rank. done(): it is over on this rank
-    (committed, or failed); wait(): its path once committed, or its error. The next save, load or close waits."""
-    def __init__(self, job):
-        self.job = job  # a Future of _write_and_commit()
+    """An async save: copied to host memory, then written and committed by a thread on every rank. wait_copy():
+    the copy is done, anything may be written again; done(): over on this rank (committed, or failed); wait(): its
+    path once committed, or its error. The next save, load, check_root or close waits for it."""
+    def __init__(self, copy, job, hooks):
+        self.copy, self.job, self.hooks = copy, job, hooks  # job: a Future of _write_and_commit()
+
+    def wait_copy(self):
+        self.copy.release()
 
     def done(self):
         return self.job.done()
@@ -231,6 +247,8 @@ class PendingSave:
         finally:  # a Ctrl-C while it runs leaves it in flight: the next call waits for it
             if self.job.done() and self in _in_flight:
                 _in_flight.remove(self)
+                for hook in self.hooks:  # here, not in the hook: an optimizer iterates over its hooks
+                    hook.remove()
 
 def wait_pending():  # the save in flight, if any, must be over before the group is used again
     while _in_flight:
@@ -238,85 +256,63 @@ def wait_pending():  # the save in flight, if any, must be over before the group
 
 # ---- save, step by step ----
 
-# flat: {DCP key: value}; digests: {key: digest} of the values stored once, which the ranks holding them compare;
-# base: the step of this root the model continues from (None: none).
-Collected = collections.namedtuple("Collected", "flat digests base")
-
-def _collect(root, step, keep, model, optimizers, extra, rng, meta):  # step 1
+def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
+    """(flat, hashed): {DCP key: value} and the keys whose holders must agree (compared by digest at the write)."""
     if not _count(step, 0) or not (keep is None or _count(keep, 1)):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
     if model in _part_loaded:  # its shards would mix ranks that read a checkpoint with ranks that did not
         raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
                               "optimizers may hold part of it: load() again before saving")
-    base = _origins_of(model).get(root)
-    if base is not None and step < base:
-        raise CheckpointError(f"save(): step {step} is before step {base}, which this model was loaded from or "
-                              f"committed in {root}: to go back, load that step first (a rollback)")
     model_sd = get_model_state_dict(model)
     names = _param_names(model, model_sd)
-    params = {fqn: param for param, fqns in names.items() for fqn in fqns}
     flat = {f"model.{k}": v if isinstance(v, torch.Tensor) else _walk(v, _restorable, f"model.{k}")
             for k, v in model_sd.items()}  # an object from get_extra_state() too: load() must restore it
-    like_a_param = {f"model.{fqn}" for fqn in params}  # their own key: DTensor shards, or replicated (not hashed)
+    unhashed = {f"model.{fqns[0]}" for fqns in names.values()}  # parameters; their optimizer state below
+    for key, obj in _objects(optimizers, names, extra, rng).items():
+        skeleton = _walk(obj.state_dict(), _lift(flat), key)  # its tensors into flat
+        if isinstance(obj, OptimizerByName):
+            flat.update(obj.by_group(skeleton, key))
+            unhashed.update(k for k in flat if k.startswith(f"{key}.state."))
+        elif key not in flat:  # else its state is one tensor (rng.torch), stored under its key
+            flat[key] = skeleton
+    hashed = {key for key, value in flat.items()
+              if key not in unhashed and not key.startswith("rank.") and not isinstance(value, DTensor)}
+    return flat, hashed if _world_size() > 1 else set()
 
-    def lift(path, value):  # a tensor laid out like the parameter its path names gets a key of its own
+def _lift(flat):
+    """Each tensor of an object's state gets a key of its own, its path (DCP stores a DTensor's shards, a tensor's
+    bytes); its place in the object's value says which it was, and load() refuses the other."""
+    def leaf(path, value):
         if not isinstance(value, torch.Tensor):
             return _restorable(path, value)
-        param = params.get(_param_named(path, params))
-        if param is not None and _layout(param) == _layout(value):
-            flat[path] = value  # DCP saves each rank's shard of it, and load() lays it out like param today
-            like_a_param.add(path)
-            return None  # its place in the skeleton
-        if isinstance(value, DTensor):
-            raise CheckpointError(f"{path} is a DTensor whose key names no parameter laid out like it: key it by "
-                                  "its parameter's name (as an EMA's shadows are), or store its full_tensor()")
-        return _restorable(path, value)  # a plain tensor of no parameter's: stored in the skeleton
-
-    for key, obj in _objects(optimizers, names, extra, rng).items():
-        if key.startswith("rank."):  # per rank, stored whole: nothing of it is laid out like a parameter
-            flat[key] = _walk(obj.state_dict(), _restorable, key)
-        elif isinstance(obj, OptimizerByName):
-            flat.update(obj.by_group(_walk(obj.state_dict(), lift, key), key))
-        else:
-            flat[key] = _walk(obj.state_dict(), lift, key)
-    # What DCP stores once and the ranks holding it must agree on; a parameter is kept equal by its all-reduce,
-    # and hashing it would read the whole model at every save.
-    once = [key for key, value in flat.items()
-            if key not in like_a_param and not key.startswith("rank.") and not isinstance(value, DTensor)]
-    return Collected(flat, {key: _digest(flat[key]) for key in once} if _world_size() > 1 else {}, base)
+        if path in flat:
+            raise CheckpointError(f"two values of one object have the key {path}: rename one ('a.b' and a: {{b}})")
+        flat[path] = value
+        return "<DTensor>" if isinstance(value, DTensor) else "<tensor>"
+    return leaf
 
 def _count(n, least):  # an int, not a bool (True would keep one step)
     return isinstance(n, int) and not isinstance(n, bool) and n >= least
 
-def _layout(t):  # what a tensor laid out like a parameter shares with it
-    return (t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else t.shape
-
-def _param_named(path, params):
-    """The name of the parameter that is the longest run of the dotted parts of path after its object's key (two
-    parts: optim.0, extra.ema): optim.0.state.<fqn>.exp_avg, extra.ema.shadow.<fqn>. None if none: the key says
-    which, at save and at load alike."""
-    parts = path.split(".")[2:]
-    runs = [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
-    return max([run for run in runs if run in params], key=len, default=None)
-
 def _walk(value, leaf, path=""):
-    """value, with leaf(path, x) for each leaf x of its dicts, lists and tuples; refuses keys load() cannot restore."""
-    if isinstance(value, dict):
+    """value, with leaf(path, x) for each leaf x of its containers; refuses keys load() cannot restore."""
+    kind = type(value)
+    if kind in (dict, collections.OrderedDict):
         for key in value:
             _restorable(f"{path}: the key {key!r}", key)
-        return {k: _walk(v, leaf, f"{path}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        items = [_walk(v, leaf, f"{path}.{i}") for i, v in enumerate(value)]
-        return tuple(items) if isinstance(value, tuple) else items
+        return kind((k, _walk(v, leaf, f"{path}.{k}")) for k, v in value.items())
+    if kind in (list, tuple):
+        return kind(_walk(v, leaf, f"{path}.{i}") for i, v in enumerate(value))
     return leaf(path, value)
 
 def _restorable(path, value):
-    # The exact types: a subclass (numpy's float64, an IntEnum, a tensor subclass) would pickle, then be refused.
+    # The exact types: a subclass (numpy's float64, an IntEnum, a namedtuple) would pickle, then be refused.
     if type(value) not in PLAIN:
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         raise CheckpointError(f"{path} is a {kind}, which load() cannot restore without running code from the "
-                              "checkpoint: convert it in state_dict() (or get_extra_state()), and back when loaded")
+                              "checkpoint: convert it in state_dict() (or get_extra_state()), and back when loaded "
+                              f"(containers: {', '.join(t.__name__ for t in CONTAINERS)})")
     return value
 
 def _objects(optimizers, names, extra, rng):
@@ -352,6 +348,7 @@ class OptimizerByName:
         if any(p not in names for p in self.params):
             raise CheckpointError(f"{type(optimizer).__name__} holds parameters that are not the model's")
         self.fqns = [names[p][0] for p in self.params]
+        self.names = set(self.fqns)
 
     def state_dict(self):  # the optimizer's own, parameter numbers replaced by names
         sd = self.optimizer.state_dict()
@@ -399,6 +396,10 @@ class OptimizerByName:
                 raise CheckpointError(f"optimizer state of {name} after loading is not what was saved under its "
                                       f"name: {differ} differ")
 
+    def owner(self, key, prefix):  # the parameter of optim.<i>.state.<fqn>.<name>: names of parameters nest not
+        parts = key[len(prefix):].split(".")
+        return next((".".join(parts[:j]) for j in range(1, len(parts)) if ".".join(parts[:j]) in self.names), None)
+
 def _same(now, saved):  # the tensor read (torch keeps it), or equal values on this rank (torch made a copy)
     if not isinstance(saved, torch.Tensor):
         return now == saved
@@ -420,13 +421,14 @@ def _digest(value):  # of every leaf in order; a tensor's of its bytes (its pick
     return h.hexdigest()[:16]
 
 class AgreeingSavePlanner(dcp.DefaultSavePlanner):
-    """DCP's save planner; each rank's plan also carries a digest of each value it holds that DCP stores once, and
-    the coordinator, which receives every plan anyway, refuses a key whose holders disagree (one copy is stored)."""
-    def __init__(self, digests):
+    """DCP's save planner. Each rank's plan also carries a digest of each value it holds that must agree; the
+    coordinator, which receives every plan anyway, refuses a key whose holders disagree (one copy is stored) and
+    counts the pipeline stages (the distinct sets of model keys). An async save's writer reads the host copies."""
+    def __init__(self, digests, host):
         # Our keys are flat already, and an object's skeleton is one value: DCP must not rebuild it (flattening
         # would turn its keys into str and drop its empty dicts). load() asks for these keys.
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.digests = digests
+        self.digests, self.host, self.stages = digests, host, None
 
     def create_local_plan(self):
         self.plan = dataclasses.replace(super().create_local_plan(), planner_data=self.digests)
@@ -440,7 +442,14 @@ class AgreeingSavePlanner(dcp.DefaultSavePlanner):
         differ = {key: list(ranks.values()) for key, ranks in sorted(holders.items()) if len(ranks) > 1}
         if differ:
             raise CheckpointError(_disagreement(differ))
+        self.stages = _stages([{item.index.fqn for item in plan.items} for plan in all_plans])
         return super().create_global_plan(all_plans)
+
+    def lookup_object(self, index):  # the host copy of a tensor (a DTensor's local shard), if there is one
+        return self.host[index.fqn] if index.fqn in self.host else super().lookup_object(index)
+
+def _stages(keys):  # [each rank's keys] -> the pipeline stages: the distinct sets of model keys that ranks hold
+    return len({frozenset(key for key in mine if key.startswith("model.")) for mine in keys})
 
 def _disagreement(differ):  # {key: [ranks holding one value, ranks holding another, ...]}
     def ranks(group):
@@ -448,15 +457,15 @@ def _disagreement(differ):  # {key: [ranks holding one value, ranks holding anot
     shown = [f"{key} (ranks {' | '.join(map(ranks, groups))})" for key, groups in list(differ.items())[:5]]
     advice = {"model": "a buffer that ranks update alone: make it equal (broadcast it)",
               "optim": "an option or a step that differs between ranks: make it equal",
-              "extra": "state of each rank's own (a data position): wrap it as ckpt.PerRank(obj); of each pipeline "
-                       "stage's own: give each stage's its own name; else make it equal"}
+              "extra": "state of each rank's own (a data position, a residual): wrap it as ckpt.PerRank(obj); of "
+                       "each pipeline stage's own: give each stage's its own name; else make it equal"}
     kinds = sorted({key.split(".")[0] for key in differ})
     return (f"{len(differ)} value(s) stored once differ among the ranks that hold them (rank 0 compares every "
             f"rank's plan): {'; '.join(shown)}. "
             + "; ".join(f"{kind}.*: {advice[kind]}" for kind in kinds))
 
-def _prepare(root, step, base):  # step 3, rank 0
-    _claim(root, base)
+def _prepare(root, step, resumed):  # step 3, rank 0
+    _claim(root, step, resumed)
     # DCP assumes an empty directory: an old .metadata beside new shards would be trusted. A unique name also
     # means that a leftover we could not remove never blocks a later save.
     tmp = _unique(root, TMP, step)
@@ -468,29 +477,101 @@ def _check_shared(group, path):
     unseen = None if os.path.exists(path) else f"cannot see {path}: the root must be on storage shared by every rank"
     _vote(group, "shared storage check", unseen)
 
-Commit = collections.namedtuple("Commit", "root step tmp manifest group keep base model digests")
+Commit = collections.namedtuple("Commit", "root step tmp manifest group keep hashed")
 
-def _write_and_commit(state, c):  # steps 4-6 on every rank; in a background thread for an async save
-    written = _attempt(_write, state, c.digests, c.tmp, c.group)
+class HostCopy:
+    """An async save's tensors copied to host memory beside the loop: one rule on every device, copy on the side
+    and wait before the next write. A thread makes the buffers (once, then reused: pinned memory takes seconds per
+    5 GB) and copies; CUDA tensors on a side stream, after the work that made them (an event), the rest in the
+    thread. release() is the wait before a write: an optimizer's step (on CUDA its stream waits, the host does not),
+    a ckpt call, PendingSave.wait_copy(). A tensor written in place before then (its Tensor._version) fails the
+    save by name; a write through .data is not seen: call wait_copy() before one."""
+    def __init__(self, flat):
+        with torch.no_grad():  # to_local() of a parameter: no autograd graph
+            self.sources = {k: v.to_local() if isinstance(v, DTensor) else v.detach() for k, v in flat.items()
+                            if isinstance(v, torch.Tensor)}
+        self.flat, self.host, self.error, self.lock, self.tensors_now = flat, {}, None, threading.Lock(), None
+        self.versions = self.read_versions()
+        self.stream = torch.cuda.Stream() if any(t.is_cuda for t in self.sources.values()) else None
+        self.ready = self.stream and torch.cuda.current_stream().record_event()  # what made the values
+        self.done, self.copied = self.stream and torch.cuda.Event(), threading.Event()
+        self.thread = threading.Thread(target=self.copy, name="ckpt-copy", daemon=True)
+        self.thread.start()
+
+    def read_versions(self):  # a DTensor's and its shard's: either counts a write in place
+        return {k: (self.flat[k]._version, t._version) for k, t in self.sources.items()}
+
+    def copy(self):
+        try:
+            if self.stream is not None:  # this thread's current device and stream (a new thread has device 0's)
+                torch.cuda.set_device(self.stream.device)
+                torch.cuda.set_stream(self.stream)
+                self.stream.wait_event(self.ready)
+            for key, t in self.sources.items():
+                buf = _buffers.get(key)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:  # the first save, or reshaped
+                    buf = _buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.stream is not None)
+                buf.copy_(t, non_blocking=t.is_cuda)
+                if t.is_cuda:
+                    t.record_stream(self.stream)  # its memory is not reused until the copy has read it
+                self.host[key] = buf
+            if self.stream is not None:
+                self.done.record(self.stream)
+        except Exception as e:
+            self.error = f"copy to host memory: {_describe(e)}"
+        finally:
+            self.copied.set()
+        try:
+            if self.done is not None and self.error is None:
+                self.done.synchronize()  # this thread waits for the device, not the loop
+        finally:
+            self.settle()
+
+    def settle(self):  # from here on, writes are ordered after the copy: what changed before is in the copy, or not
+        with self.lock:
+            if self.tensors_now is None:
+                self.tensors_now = self.read_versions()
+
+    def release(self):
+        self.copied.wait()
+        if self.done is not None and self.error is None:
+            torch.cuda.current_stream().wait_event(self.done)  # what this stream runs next runs after the copy
+        self.settle()
+
+    def finish(self):  # in the writer thread: the copy complete on the host; what failed it, or None
+        self.thread.join()
+        changed = [k for k, v in self.tensors_now.items() if v != self.versions[k]]
+        if changed and self.error is None:
+            self.error = (f"{changed[:5]} were written in place while being copied to host memory (an EMA update, a "
+                          "weight edit, a buffer in forward()): call pending.wait_copy() before writing them")
+        return self.error
+
+def _write_and_commit(flat, c, copy=None):  # steps 4-6 on every rank; in a background thread for an async save
     try:
+        if copy is not None:  # every rank learns of any rank's failed copy: nobody enters DCP's plan alone
+            _vote(c.group, f"save of step {c.step}: copy the state to host memory", copy.finish())
+        host = copy.host if copy is not None else {}
+        written = _attempt(_write, flat, {k: _digest(host.get(k, flat[k])) for k in c.hashed}, host, c.tmp, c.group)
         reports = _gather(c.group, f"save of step {c.step}: writing", written)  # rank 0 lists every rank's files
         path = _rank0(c.group, f"save of step {c.step}", _commit, c, reports)
-    except CheckpointError:  # a rank lost mid-write (its collective failed): nothing is committed
+    except CheckpointError:  # a failed copy, or a rank lost mid-write (its collective failed): nothing is committed
         if _rank() == 0:
             shutil.rmtree(c.tmp, ignore_errors=True)  # gone already if committed
         raise
-    _remember(c.model, c.root, c.step)
     log.info("checkpoint %s committed", path)
     return path
 
-def _write(state, digests, tmp, group):
+def _write(flat, digests, host, tmp, group):
     """Step 4: DCP writes every rank's files; then this rank CRCs its share from the page cache (not DCP's stream)."""
     writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
-    _dcp(dcp.save, state, storage_writer=writer, planner=AgreeingSavePlanner(digests), process_group=group)
-    paths = {name: os.path.join(tmp, name) for name in _share(os.listdir(tmp))}
-    return {name: {"bytes": os.path.getsize(path), "crc32": _crc32(path)} for name, path in paths.items()}
+    planner = AgreeingSavePlanner(digests, host)
+    _dcp(dcp.save, flat, storage_writer=writer, planner=planner, process_group=group)
+    names = _share(os.listdir(tmp))
+    crcs = checksums([os.path.join(tmp, name) for name in names])
+    files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)), "crc32": crc} for name, crc in zip(names, crcs)}
+    return {"files": files, "stages": planner.stages}  # stages: rank 0's, the coordinator's
 
-def _commit(c, reports):  # steps 5-6, rank 0; reports: each rank's Outcome of _write(), its files' size and CRC
+def _commit(c, reports):  # steps 5-6, rank 0; reports: each rank's Outcome of _write()
     try:
         return _commit_files(c, reports)
     finally:  # gone once committed; else removed before any rank hears of the failure: frees the space (a full disk)
@@ -502,15 +583,15 @@ def _commit_files(c, reports):
         failed = [f"rank {r}: {report.error}" for r, report in enumerate(reports) if report.error]
         raise CheckpointError(f"writing failed on {len(failed)} rank(s): {'; '.join(failed)}. Nothing was "
                               "committed; the previous checkpoint is intact")
-    files = dict(collections.ChainMap(*(report.value for report in reports)))  # each rank's share, merged
+    files = dict(collections.ChainMap(*(report.value["files"] for report in reports)))  # each rank's share
     if sorted(files) != sorted(os.listdir(c.tmp)):
         raise CheckpointError(f"{c.tmp} holds {sorted(os.listdir(c.tmp))}; the ranks checksummed {sorted(files)}")
+    manifest = dict(c.manifest, files=files, stages=reports[0].value["stages"])
     with open(os.path.join(c.tmp, MANIFEST), "w") as f:
-        json.dump(dict(c.manifest, files=files), f, indent=1, sort_keys=True)
+        json.dump(dict(manifest, crc32=_manifest_crc(manifest)), f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename points at it
     fsync_dir(c.tmp)  # and the directory's entries
-    _move_aside(c.root, c.base)
     replaced = _unique(c.root, REPLACED, c.step) if os.path.isdir(step_dir(c.root, c.step)) else None
     if replaced:  # step N saved again: until the new copy takes its name, the old one is step N under this name
         os.rename(step_dir(c.root, c.step), replaced)
@@ -542,31 +623,8 @@ def _retain(root, keep):  # step 6, rank 0: a failure is logged, the commit stan
     except OSError as e:
         log.warning("retention: could not remove %s: %s", ", ".join(name for _, name in old), e)
 
-def _move_aside(root, base):
-    """Steps after the one this run continues from belong to a branch given up (a rollback): moved aside, highest
-    first, they keep their data, and the steps under a root stay one history, the highest the newest commit."""
-    given_up = [(s, name) for s, name in sorted(_steps(root).items(), reverse=True) if base is not None and s > base]
-    for step, name in given_up:
-        aside = _unique(root, ABANDONED, step)
-        os.rename(os.path.join(root, name), aside)
-        log.warning("moved aside %s: not on the branch this run continues from (delete it when not needed)", aside)
-    if given_up:
-        fsync_dir(root)  # or a power cut brings a given-up step back as the newest
-
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{uuid.uuid4().hex[:8]}")
-
-def _origins_of(model):
-    """{root: the step model's run continues from there (loaded from, or last committed)}. Each module of the model
-    keeps it: a torch.compile wrapper finds its model's; an evaluation copy has its own."""
-    return next((_origins[m] for m in model.modules() if m in _origins), {})
-
-def _remember(model, root, step, loaded=False):
-    """A load replaces what model continues from (its state is that checkpoint's); a commit adds root's step (a run
-    may save to two roots in turn)."""
-    origins = {root: step} if loaded else {**_origins_of(model), root: step}
-    for module in model.modules():
-        _origins[module] = origins
 
 # ---- load, step by step ----
 
@@ -583,20 +641,17 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
     return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
 # request: what dcp.load() reads into; objects: {key: object whose state is stored there}.
-Plan = collections.namedtuple("Plan", "step world_size metadata request objects")
+Plan = collections.namedtuple("Plan", "step world_size stages metadata request objects")
 
 def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every rank
     try:
         manifest = read_manifest(ckpt_dir)
     except CheckpointError as e:
         raise CheckpointError(f"refusing to load a damaged checkpoint: {e}.{_instead(ckpt_dir)}") from None
-    damage = verify_files(ckpt_dir, manifest, _share(manifest["files"]), verify)
-    try:
-        metadata = read_metadata(ckpt_dir)  # every rank reads it; rank 0, whose share it is, verified it
-    except CheckpointError as e:
-        damage.append(str(e))
-    if damage:
+    damage = verify_files(ckpt_dir, manifest, sorted({*_share(manifest["files"]), ".metadata"}), verify)
+    if damage:  # before .metadata is unpickled: every rank checks it
         raise CheckpointError(f"refusing to load a damaged checkpoint: {'; '.join(damage)}.{_instead(ckpt_dir)}")
+    metadata = read_metadata(ckpt_dir)
     types = [type(o).__name__ for o in optimizers]
     if optimizers and manifest["optimizers"] != types:
         raise CheckpointError(f"{ckpt_dir} was saved with optimizers {manifest['optimizers']}, not {types}: pass "
@@ -617,24 +672,19 @@ def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every ra
                                   f"saved at world size {manifest['world_size']}, not {_world_size()}: resume at that "
                                   "size, or rebuild it from a global position and leave it out of load()")
         if isinstance(obj, OptimizerByName):  # every group of every stage: matched by the names they hold
-            skeletons = [k for k in saved if k.startswith(f"{key}.group.")]
-        else:
-            skeletons = [key] if key in saved else []
-        if not skeletons:
+            mine = [k for k in saved if k.startswith(f"{key}.group.")]
+            mine += [k for k in saved if k.startswith(f"{key}.state.") and obj.owner(k, f"{key}.state.")]
+        else:  # the object's value, and each of its tensors
+            mine = [k for k in saved if k == key or k.startswith(f"{key}.")]
+        if not mine:
             raise CheckpointError(f"{_object_of(key)} is not in {ckpt_dir}, which holds {_objects_in(saved)}")
-        request.update({k: _empty_like(saved[k], None) for k in skeletons})
-        live = {}  # an optimizer's present tensors: read into in place, as plain DCP does (no second copy)
-        if isinstance(obj, OptimizerByName):
-            _walk(obj.state_dict(), lambda path, value: live.setdefault(path, value), key)
-        for tensor_key in [k for k in saved if k.startswith(f"{key}.") and hasattr(saved[k], "size")]:
-            param_name = _param_named(tensor_key, params)
-            if isinstance(obj, OptimizerByName) and param_name not in obj.fqns:
-                continue  # another pipeline stage's parameter
-            if param_name is None:
-                raise CheckpointError(f"{tensor_key} is laid out like a parameter this model does not have")
-            request[tensor_key] = _empty_like(saved[tensor_key], params[param_name], live.get(tensor_key))
+        live = {}  # the object's present tensors: read into in place, as plain DCP does (no second copy)
+        _walk(obj.state_dict(), lambda path, value: live.setdefault(path, value), key)
+        for k in mine:
+            param = params.get(obj.owner(k, f"{key}.state.")) if isinstance(obj, OptimizerByName) else None
+            request[k] = _empty_like(saved[k], live.get(k), param)
         objects[key] = obj
-    return Plan(manifest["step"], manifest["world_size"], metadata, request, objects)
+    return Plan(manifest["step"], manifest["world_size"], manifest["stages"], metadata, request, objects)
 
 def _objects_in(keys):  # the optimizers and extras that keys belong to
     return sorted({_object_of(key) for key in keys if not key.startswith("model.")})
@@ -675,28 +725,40 @@ def _check_covered(group, ckpt_dir, plan, resuming):
     if resuming and left and _rank() == 0:  # a weights-only load leaves the rest behind by design
         log.warning("not restored from %s: %s", ckpt_dir, ", ".join(map(why, _objects_in(left))))
 
-def _empty_like(saved, param, live=None):
-    """What a value is read into: None if pickled; live if laid out like param already; else one laid out so."""
+def _empty_like(saved, live, param):
+    """What a value is read into: None if pickled; the object's own tensor there if it has one alike (read in
+    place), else one laid out as it is (DCP reshards a DTensor); a DTensor parameter's state of its shape laid out
+    like it; else a tensor on the CPU (an optimizer's load_state_dict() places it)."""
     if not hasattr(saved, "size"):
         return None  # DCP's load_bytes() replaces it
-    if isinstance(live, torch.Tensor) and _layout(live) == _layout(param) and live.dtype == saved.properties.dtype:
+    size, dtype = tuple(saved.size), saved.properties.dtype
+    if isinstance(live, torch.Tensor) and tuple(live.shape) == size and live.dtype == dtype:
         return live
-    if isinstance(param, DTensor):
-        return torch.distributed.tensor.empty(saved.size, dtype=saved.properties.dtype,
-                                              device_mesh=param.device_mesh, placements=param.placements)
-    return torch.empty(saved.size, dtype=saved.properties.dtype, device=param.device if param is not None else "cpu")
+    if live is None and isinstance(param, DTensor) and tuple(param.shape) == size:
+        live = param
+    if isinstance(live, DTensor):
+        return torch.distributed.tensor.empty(size, dtype=dtype, device_mesh=live.device_mesh,
+                                              placements=live.placements)
+    return torch.empty(size, dtype=dtype, device=live.device if isinstance(live, torch.Tensor) else "cpu")
 
 def _restore(plan, model):  # steps 5-6, after dcp.load(); user code runs
     model_sd = {key.removeprefix("model."): value for key, value in plan.request.items() if key.startswith("model.")}
     set_model_state_dict(model, model_sd)
-    def tensor_read(path, value):  # a leaf whose key a tensor was read under becomes it
-        return plan.request.get(path, value)
+    def read(path, value):  # a leaf where a tensor was saved becomes the tensor read, laid out as it was saved
+        if path not in plan.request or not isinstance(value, str) or value not in ("<tensor>", "<DTensor>"):
+            return value
+        tensor = plan.request[path]
+        if isinstance(tensor, DTensor) != (value == "<DTensor>"):
+            raise CheckpointError(f"{path} was saved as a {value[1:-1]}, and would come back as a "
+                                  f"{type(tensor).__name__}: give the object its tensor, laid out as it will be "
+                                  "trained, before load() (an EMA's shadows from the parameters)")
+        return tensor
     for key, obj in plan.objects.items():
         if isinstance(obj, OptimizerByName):
-            saved = [value for k, value in plan.request.items() if k.startswith(f"{key}.group.")]
-            obj.load_state_dict(_walk(obj.from_groups(saved), tensor_read, key))
+            value = obj.from_groups([value for k, value in plan.request.items() if k.startswith(f"{key}.group.")])
         else:
-            obj.load_state_dict(_walk(plan.request[key], tensor_read, key))
+            value = plan.request[key]
+        obj.load_state_dict(value if isinstance(value, torch.Tensor) else _walk(value, read, key))
 
 def _param_names(model, model_sd):
     """{parameter: its names in the state dict}: torch.compile (_orig_mod) and activation checkpointing
@@ -721,10 +783,13 @@ def _step_of(name):  # the step a directory holds a commit of, else None
 
 def _steps(root):
     """{step: its directory's name}. Each step-N is a commit (it appeared by a rename); a .replaced-step-N-<id>
-    with no step-N beside it is step N, its save again interrupted between the two renames."""
+    with no step-N beside it is step N, its save again interrupted between the two renames. A rollback in progress
+    (.rollback-to-N) hides the steps above N: they are being given up."""
     names = os.listdir(root) if os.path.isdir(root) else []
+    limit = min([int(name[len(ROLLBACK):]) for name in names if name.startswith(ROLLBACK)], default=math.inf)
     caught = {_step_of(name): name for name in names if name.startswith(REPLACED) and _step_of(name) is not None}
-    return caught | {_step_of(name): name for name in names if STEP_RE.match(name)}  # step-N wins over .replaced-
+    steps = caught | {_step_of(name): name for name in names if STEP_RE.match(name)}  # step-N wins over .replaced-
+    return {step: name for step, name in steps.items() if step <= limit}
 
 def committed_steps(root):
     return [s for s, name in sorted(_steps(root).items()) if os.path.isfile(os.path.join(root, name, MANIFEST))]
@@ -735,7 +800,7 @@ def find_checkpoint(path):
     name = os.path.basename(os.path.normpath(path))
     if name.startswith(TMP):
         raise CheckpointError(f"{path} is an uncommitted save (interrupted, or in progress): it is never loaded")
-    if _step_of(name) is not None or name.startswith(ABANDONED) or os.path.isfile(os.path.join(path, MANIFEST)):
+    if NAMED_STEP_RE.match(name) or os.path.isfile(os.path.join(path, MANIFEST)):
         return path
     steps = _steps(path)
     return os.path.join(path, steps[max(steps)]) if steps else None
@@ -745,27 +810,40 @@ def _share(names):
     numbers = {name: int((re.findall(r"\d+", name) or [0])[0]) for name in names}
     return sorted(name for name, n in numbers.items() if n % _world_size() == _rank())
 
-def _crc32(path):  # catches corruption and truncation, not forgery (the manifest is not signed)
-    crc = 0
+def checksums(paths):
+    """[the CRC-32s of each file's 64 MiB chunks], computed in parallel (zlib releases the GIL): at the disk's speed,
+    not one core's. They catch corruption and truncation, not forgery (the manifest is not signed)."""
+    chunks = [(path, offset) for path in paths for offset in range(0, max(os.path.getsize(path), 1), CHUNK)]
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="ckpt-crc") as pool:
+        crcs = dict(zip(chunks, pool.map(_chunk_crc, chunks)))
+    return [[crc for (p, _), crc in crcs.items() if p == path] for path in paths]
+
+def _chunk_crc(chunk):
+    path, offset = chunk
+    crc, left = 0, CHUNK
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 18), b""):  # 256 KiB: adds little to the peak memory
-            crc = zlib.crc32(block, crc)  # releases the GIL: training goes on in another thread
+        f.seek(offset)
+        while left and (block := f.read(min(left, 1 << 20))):  # 1 MiB reads: little added to the peak memory
+            crc, left = zlib.crc32(block, crc), left - len(block)
     return f"{crc:08x}"
 
-def verify_files(ckpt_dir, manifest, names=None, checksums=True):
-    """The errors in the size (and CRC) of the files the manifest lists, or of names."""
-    errors = []
-    for name in sorted(manifest["files"]) if names is None else names:
-        path, want = os.path.join(ckpt_dir, name), manifest["files"][name]
+def verify_files(ckpt_dir, manifest, names=None, crcs=True):
+    """The errors in the size (and CRCs) of the files the manifest lists, or of names."""
+    names = sorted(manifest["files"]) if names is None else names
+    paths, errors = [os.path.join(ckpt_dir, name) for name in names], []
+    for name, path in zip(names, paths):
         if not os.path.isfile(path):
             errors.append(f"{path} is missing")
-        elif os.path.getsize(path) != want["bytes"]:
-            errors.append(f"{path} has {os.path.getsize(path)} bytes, the manifest says {want['bytes']} (truncated?)")
-        elif checksums and _crc32(path) != want["crc32"]:
-            errors.append(f"{path} does not match its checksum (corrupted)")
+        elif os.path.getsize(path) != manifest["files"][name]["bytes"]:
+            errors.append(f"{path} has {os.path.getsize(path)} bytes, the manifest says "
+                          f"{manifest['files'][name]['bytes']} (truncated?)")
+    if crcs and not errors:
+        errors = [f"{path} does not match its checksum (corrupted)" for name, path, crc in
+                  zip(names, paths, checksums(paths)) if crc != manifest["files"][name]["crc32"]]
     return errors
 
 def read_manifest(ckpt_dir):
+    """manifest.json, checked against its own CRC and its directory's step before anything it lists is trusted."""
     path = os.path.join(ckpt_dir, MANIFEST)
     try:
         with open(path) as f:
@@ -773,10 +851,19 @@ def read_manifest(ckpt_dir):
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read ({e}): {ckpt_dir} is not a committed checkpoint") from e
     saved_format = manifest.get("format") if isinstance(manifest, dict) else None
-    if saved_format != FORMAT or "files" not in manifest:
+    if saved_format != FORMAT:
         raise CheckpointError(f"{path} is not a manifest of format {FORMAT}, the one this ckpt.py reads (format: "
                               f"{saved_format}): load it with the ckpt.py that saved it")
+    if manifest.get("crc32") != _manifest_crc(manifest):
+        raise CheckpointError(f"{path} does not match its own checksum (edited or corrupted)")
+    named = NAMED_STEP_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
+    if named and int(named[1]) != manifest["step"]:
+        raise CheckpointError(f"{path} is the manifest of step {manifest['step']}, not of {ckpt_dir}'s step")
     return manifest
+
+def _manifest_crc(manifest):  # of its canonical JSON, without its own CRC
+    body = {k: v for k, v in manifest.items() if k != "crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
 
 def fsync_dir(path):  # a rename is durable only once the directory that holds it is flushed
     fd = os.open(path, os.O_RDONLY)
@@ -825,9 +912,18 @@ class SafeReader(dcp.FileSystemReader):
         return self.safe_metadata
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    """DCP's load planner: values unpickled by torch.load(weights_only=True), into the caller's dict by key."""
-    def __init__(self):
+    """DCP's load planner: values unpickled by torch.load(weights_only=True), into the caller's dict by key. With
+    stages, its coordinator refuses another number of pipeline stages before anything is read."""
+    def __init__(self, stages=None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.stages = stages
+
+    def create_global_plan(self, global_plan):
+        now = _stages([{item.dest_index.fqn for item in plan.items} for plan in global_plan])
+        if self.stages is not None and now != self.stages:  # param groups, stage extras: split otherwise
+            raise CheckpointError(f"saved by {self.stages} pipeline stage(s) (ranks holding different model keys), "
+                                  f"resumed by {now}: resume with {self.stages}, or load the weights alone")
+        return super().create_global_plan(global_plan)
 
     def load_bytes(self, read_item, value):
         self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True, map_location="cpu")
@@ -925,26 +1021,37 @@ def _as_list(optimizer):
 
 # ---- the root: one live run writes to it ----
 
-def _claim(root, base):
+def _claim(root, step, resumed, rollback_to=None, lock=True):
     """Rank 0: make this run the only writer of root, or raise naming the run that is (two runs on one root delete
-    each other's saves in progress, each taking them for a crashed run's). Then refuse a model that was not loaded
-    from root while root holds checkpoints: a forgotten resume would start over, moving every step aside."""
-    held = root in _locks
-    owner = _locks[root] if held else _lock(root)
-    steps = _steps(root)
-    if steps and base is None:
-        if not held:  # this run does not hold the root: its record goes, and the lock with the file
-            os.ftruncate(owner, 0)
-            os.close(owner)
-        raise CheckpointError(f"{root} holds checkpoints up to {os.path.join(root, steps[max(steps)])}, and this run "
-                              "loaded none of them into its model: load() the root before check_root() and save(), "
-                              "or use another root")
-    if held:
-        return
-    if not _locks:  # a forked child (a DataLoader worker, a helper) is not the run: it must not keep the root
-        os.register_at_fork(after_in_child=_release_in_child)
-    _locks[root] = owner
-    for name in os.listdir(root):  # left by a run that is gone: no other run writes here
+    each other's saves in progress, each taking them for a crashed run's). A root holding commits takes a model
+    that was resumed (a forgotten resume would start over), and no save that leaves a later step the newest."""
+    if root not in _locks:
+        owner = _lock(root) if lock else None
+        steps = _steps(root)
+        if steps and not resumed:
+            if owner is not None:  # this run does not hold the root: its record goes, and the lock with the file
+                os.ftruncate(owner, 0)
+                os.close(owner)
+            raise CheckpointError(f"{root} holds checkpoints up to {os.path.join(root, steps[max(steps)])}, and this "
+                                  "run loaded none of them into its model as a resume (load() with the optimizer; "
+                                  "a weights-only load is an initialisation): resume from the root, or use another")
+        if not _locks:  # a forked child (a DataLoader worker, a helper) is not the run: it must not keep the root
+            os.register_at_fork(after_in_child=_release_in_child)
+        _locks[root] = owner
+        _clean(root)
+    if rollback_to is not None:
+        _roll_back(root, rollback_to)
+    later = [name for s, name in sorted(_steps(root).items()) if step is not None and s > step]
+    if later:
+        raise CheckpointError(f"{root} holds {later[-1]}, a later step than {step}: this save would leave it the "
+                              "newest commit, which a resume continues from. To continue from an older step and give "
+                              "up the later ones, say so: ckpt.check_root(root, model, rollback_to=<the step loaded>)")
+
+def _clean(root):  # what a run that is gone left: no other run writes here
+    markers = sorted(int(name[len(ROLLBACK):]) for name in os.listdir(root) if name.startswith(ROLLBACK))
+    if markers:  # a rollback cut short: finish it
+        _roll_back(root, markers[0])
+    for name in os.listdir(root):
         path, step = os.path.join(root, name), _step_of(name)
         if name.startswith(REPLACED) and step is not None and not os.path.isdir(step_dir(root, step)):
             os.rename(path, step_dir(root, step))  # killed between a save's two renames: the older copy is step N
@@ -953,6 +1060,24 @@ def _claim(root, base):
         elif name.startswith((TMP, REPLACED)):
             shutil.rmtree(path, ignore_errors=True)
             log.warning("removed %s, left by an interrupted save", path)
+
+def _roll_back(root, step):
+    """Move every step after `step` aside, durably, as the user said: a marker first, so that a crash part-way
+    leaves the later steps unseen (_steps()) and the next claim finishes the moves; then the moves; then the
+    marker's removal, durable too (a marker back after a power cut would hide this run's own later commits)."""
+    marker = os.path.join(root, f"{ROLLBACK}{step:08d}")
+    with open(marker, "w"):
+        pass
+    fsync_dir(root)  # from here, load() never chooses a given-up step
+    given_up = sorted((s, name) for name in os.listdir(root) if (s := _step_of(name)) is not None and s > step)
+    for s, name in given_up:
+        os.rename(os.path.join(root, name), _unique(root, ABANDONED, s))
+        log.warning("moved aside %s as %s: given up by a rollback to step %d", name, ABANDONED, step)
+    fsync_dir(root)
+    for name in os.listdir(root):
+        if name.startswith(ROLLBACK):
+            os.remove(os.path.join(root, name))
+    fsync_dir(root)
 
 def _lock(root):
     """An exclusive lock on root's .owner.json, which the kernel (or NFS's lock manager) releases once every
@@ -966,9 +1091,15 @@ def _lock(root):
         os.close(owner)
         raise CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
                               "or use another root (load() takes no claim: an evaluation job can read it).") from None
-    except BaseException:  # ENOLCK on a file system without locks, say: the README lists those it relies on
+    except OSError as e:
         os.close(owner)
-        raise
+        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+        raise CheckpointError(f"{root}: its file system refuses flock() ({e.strerror}), which keeps a second run from "
+                              "writing here. Lustre: mount with -o flock (-o localflock locks within one node only); "
+                              "NFS: run its lock manager. If your scheduler runs one job per root, say so: "
+                              "ckpt.check_root(root, model, lock=False) before the first save; then nothing stops a "
+                              "second run here from deleting this one's saves in progress") from None
     previous = os.read(owner, 4096).decode(errors="replace")
     if previous:
         log.warning("taking over %s from %s: nothing holds its lock, so that run is gone", root, previous)
@@ -980,5 +1111,81 @@ def _lock(root):
 
 def _release_in_child():  # after os.fork(), in the child: its copy of the lock's file would keep the lock held
     for owner in _locks.values():
-        os.close(owner)
+        if owner is not None:
+            os.close(owner)
     _locks.clear()
+
+# ---- the resume glue a loop needs beside save() and load(): the data's place, preemption ----
+
+class Position:
+    """The data's place as global samples: the epoch, and the samples handed out in it. Stored once, it holds at any
+    world size. global_batch: the samples one optimizer step consumes, batch x accumulation x data-parallel degree
+    (pipeline stages and tensor-parallel ranks read the same samples: not counted). A changed one is refused."""
+    def __init__(self, global_batch):
+        self.epoch, self.samples, self.global_batch = 0, 0, global_batch
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "samples": self.samples, "global_batch": self.global_batch}
+
+    def load_state_dict(self, sd):
+        if sd["global_batch"] != self.global_batch:  # 4 ranks resumed on 2 at the same accumulation, say
+            raise ValueError(f"global batch {sd['global_batch']} saved, {self.global_batch} now: keep batch x "
+                             "accumulation x data-parallel degree")
+        self.epoch, self.samples = sd["epoch"], sd["samples"]
+
+    def batches(self, loader):
+        """loader's batches, epoch after epoch from this position (its sampler a SkippingSampler), counted."""
+        while True:
+            loader.sampler.set_epoch(self.epoch)
+            loader.sampler.start = self.samples  # where the epoch resumes, whatever a StatefulDataLoader restored
+            for batch in loader:
+                self.samples += loader.batch_size * loader.sampler.num_replicas
+                yield batch
+            self.epoch, self.samples = self.epoch + 1, 0
+
+class SkippingSampler(torch.utils.data.DistributedSampler):
+    """DistributedSampler's order from global sample `start` of the epoch on: its permutation, padded or cut as it
+    does for today's world size, strided over the ranks, so the first k global samples are the same at any size.
+    Its state is Position's: a StatefulDataLoader restores its workers, and `start` decides where the epoch goes on."""
+    start = 0
+
+    def __iter__(self):
+        n, generator = len(self.dataset), torch.Generator().manual_seed(self.seed + self.epoch)
+        order = (torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)).tolist()
+        order = (order * math.ceil(self.total_size / n))[: self.total_size]
+        return iter(order[self.start + self.rank:: self.num_replicas])
+
+    def __len__(self):
+        return max(0, self.total_size - self.start) // self.num_replicas
+
+    def state_dict(self):  # none of its own: a StatefulDataLoader must not skip again what `start` skipped
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
+
+class Preemption:
+    """A SIGTERM to any rank (a scheduler's preemption) known to every rank at the same step: after each step, on
+    every rank, `if preemption.requested(): save and exit`. One rank leaving alone would hang the others in their
+    next collective. device: where the default process group's collectives run (cuda:<local rank> under NCCL)."""
+    def __init__(self, device):
+        self.device, self.received = device, False
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "received", True))
+
+    def requested(self):  # one all-reduce of one number
+        flag = torch.tensor([float(self.received)], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag)
+        return flag.item() > 0
+
+def ignore_sigterm(worker_id):
+    """A DataLoader's worker_init_fn: torchrun and SLURM signal its workers too, and a dead worker fails its rank's
+    next batch before the rank can save. SIG_IGN would hang the exit (which terminates and joins the workers): the
+    signal is blocked, and the rank's own SIGTERM at its exit ends the worker."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # in this thread and in the one below
+
+    def wait():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
+            pass
+        os._exit(0)
+    threading.Thread(target=wait, daemon=True).start()
