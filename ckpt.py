@@ -567,7 +567,7 @@ def _write(flat, digests, host, tmp, group):
     planner = AgreeingSavePlanner(digests, host)
     _dcp(dcp.save, flat, storage_writer=writer, planner=planner, process_group=group)
     names = _share(os.listdir(tmp))
-    crcs = checksums([os.path.join(tmp, name) for name in names])
+    crcs = chunk_crcs([os.path.join(tmp, name) for name in names])
     files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)), "crc32": crc} for name, crc in zip(names, crcs)}
     return {"files": files, "stages": planner.stages}  # stages: rank 0's, the coordinator's
 
@@ -810,7 +810,7 @@ def _share(names):
     numbers = {name: int((re.findall(r"\d+", name) or [0])[0]) for name in names}
     return sorted(name for name, n in numbers.items() if n % _world_size() == _rank())
 
-def checksums(paths):
+def chunk_crcs(paths):
     """[the CRC-32s of each file's 64 MiB chunks], computed in parallel (zlib releases the GIL): at the disk's speed,
     not one core's. They catch corruption and truncation, not forgery (the manifest is not signed)."""
     chunks = [(path, offset) for path in paths for offset in range(0, max(os.path.getsize(path), 1), CHUNK)]
@@ -827,7 +827,7 @@ def _chunk_crc(chunk):
             crc, left = zlib.crc32(block, crc), left - len(block)
     return f"{crc:08x}"
 
-def verify_files(ckpt_dir, manifest, names=None, crcs=True):
+def verify_files(ckpt_dir, manifest, names=None, checksums=True):
     """The errors in the size (and CRCs) of the files the manifest lists, or of names."""
     names = sorted(manifest["files"]) if names is None else names
     paths, errors = [os.path.join(ckpt_dir, name) for name in names], []
@@ -837,9 +837,9 @@ def verify_files(ckpt_dir, manifest, names=None, crcs=True):
         elif os.path.getsize(path) != manifest["files"][name]["bytes"]:
             errors.append(f"{path} has {os.path.getsize(path)} bytes, the manifest says "
                           f"{manifest['files'][name]['bytes']} (truncated?)")
-    if crcs and not errors:
+    if checksums and not errors:
         errors = [f"{path} does not match its checksum (corrupted)" for name, path, crc in
-                  zip(names, paths, checksums(paths)) if crc != manifest["files"][name]["crc32"]]
+                  zip(names, paths, chunk_crcs(paths)) if crc != manifest["files"][name]["crc32"]]
     return errors
 
 def read_manifest(ckpt_dir):

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 train_fsdp.py               # train 200 steps, save every 50
     torchrun --standalone --nproc_per_node 2 train_fsdp.py --resume      # continue from the newest checkpoint
-    torchrun --standalone --nproc_per_node 2 train_fsdp.py --resume-from checkpoints/step-00000100  # roll back
+    torchrun --standalone --nproc_per_node 2 train_fsdp.py --resume-from checkpoints/step-00000100 --rollback
     torchrun --standalone --nproc_per_node 4 train_fsdp.py --hsdp 2      # HSDP: 2 replicas x 2 shards
     python train_fsdp.py --steps 20                                      # one process, no torchrun
     ./run_multinode.sh --resume                                          # several nodes (see README)
@@ -23,7 +23,6 @@ import math
 import os
 import random
 import signal
-import threading
 import time
 
 import torch
@@ -50,6 +49,7 @@ def get_args(argv=None):
     p.add_argument("--keep", type=int, default=3, help="keep the newest K committed checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
     p.add_argument("--resume-from", metavar="PATH", help="resume from this checkpoint; saves still go to --ckpt-dir")
+    p.add_argument("--rollback", action="store_true", help="with --resume-from: give up --ckpt-dir's later steps")
     p.add_argument("--ckpt-timeout", type=float, default=3600, help="checkpoint collectives timeout, seconds")
     p.add_argument("--async-save", action="store_true", help="write periodic checkpoints in the background")
     p.add_argument("--init-from", default=None, help="start from consolidated safetensors (file or directory)")
@@ -177,18 +177,6 @@ class Samples(torch.utils.data.Dataset):
         return seq[: self.n - 1], seq[1 : self.n]
 
 
-def ignore_sigterm(worker_id):
-    """worker_init_fn: a worker outlives the SIGTERM meant for its rank (torchrun signals the rank's process group,
-    SLURM every process), else the rank's next batch fails before it can save. Its rank's SIGTERM (Python's exit
-    terminates workers, then joins them: under SIG_IGN, a hang) still ends it, as torch's own handler does."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # here and in the thread below, which waits for it
-    def wait():
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != os.getppid():
-            pass
-        os._exit(0)
-    threading.Thread(target=wait, daemon=True).start()
-
-
 class TrainState:
     """Step and data position (global samples consumed), and what defines the data stream: a resume with another
     seed, global batch or sequence length would silently train on other samples than the run it continues."""
@@ -275,9 +263,11 @@ def train(args, device, rank, world):
     per_rank = args.batch_size // world
     shares = ([*range(i, i + per_rank)] for i in itertools.count(state.samples + rank * per_rank, args.batch_size))
     data = iter(torch.utils.data.DataLoader(dataset, batch_sampler=shares, num_workers=args.num_workers,
-                                            worker_init_fn=ignore_sigterm, generator=torch.Generator()))
-    try:  # after the load: a bad --ckpt-dir, another live run there, or checkpoints there that this model was not
-        ckpt.check_root(args.ckpt_dir, model, timeout=args.ckpt_timeout)  # loaded from (a forgotten --resume)
+                                            worker_init_fn=ckpt.ignore_sigterm, generator=torch.Generator()))
+    try:  # after the load: a bad --ckpt-dir, another live run there, or commits there and no --resume fail now;
+        # --rollback gives up the steps after the one loaded (without it, a save below them is refused)
+        ckpt.check_root(args.ckpt_dir, model, rollback_to=state.step if args.rollback else None,
+                        timeout=args.ckpt_timeout)
     except ckpt.CheckpointError as e:
         raise SystemExit(f"train_fsdp.py: CheckpointError: {e}") from None  # the message, not a traceback per rank
     if state.step == 0 and args.init_from:

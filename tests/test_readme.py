@@ -87,19 +87,19 @@ for step in range(1, 4):  # a plain process, no process group: a world of one
 ckpt.close()
 torch.manual_seed(1)
 fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-fresh_ema = EMA(fresh)  # empty until its first update: load() fills it
-path = newest(root, fresh, fresh_ema)
+fresh_ema = EMA(fresh)  # shadows of fresh's own parameters: load() reads into them
+step = newest(root, fresh, fresh_ema)
 weights = max((a - b).abs().max().item() for a, b in zip(model.parameters(), fresh.parameters()))
 shadows = max((ema.shadow[n] - fresh_ema.shadow[n]).abs().max().item() for n in ema.shadow)
-print("RESULT", json.dumps({{"path": os.path.basename(path), "dweights": weights, "dshadow": shadows,
+print("RESULT", json.dumps({{"step": step, "dweights": weights, "dshadow": shadows,
                              "decay": fresh_ema.decay, "names": sorted(fresh_ema.shadow) == sorted(ema.shadow)}}))
 """
 
 
 def test_recipes_run(tmp_path):
-    """The README's EMA class and evaluation loop, as written, in a plain process: an EMA started lazily, saved
-    with the model and the optimizer, comes back into an empty EMA; the loop loads the newest step's weights and
-    EMA. Guards against recipes that do not run, or do not restore what they promise."""
+    """The README's EMA class and evaluation loop, as written, in a plain process: an EMA saved with the model and
+    the optimizer comes back into a fresh model's EMA; the loop loads the newest step's weights and EMA and returns
+    the step it loaded. Guards against recipes that do not run, or do not restore what they promise."""
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     code = "\n".join(b for b in blocks if "class EMA" in b or "def newest(" in b)
     assert code.count("class EMA") == 1 and code.count("def newest(") == 1, "the README lost a recipe"
@@ -107,6 +107,6 @@ def test_recipes_run(tmp_path):
     script.write_text(RECIPES.format(repo=REPO, code=code))
     _, out = run([sys.executable, str(script), str(tmp_path / "root")], timeout=120)
     got = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
-    print(f"\nrecipes: newest() loaded {got['path']}; max |dweights| {got['dweights']}, max |dshadow| "
+    print(f"\nrecipes: newest() loaded step {got['step']}; max |dweights| {got['dweights']}, max |dshadow| "
           f"{got['dshadow']}, decay {got['decay']}")
-    assert got == {"path": "step-00000003", "dweights": 0.0, "dshadow": 0.0, "decay": 0.5, "names": True}
+    assert got == {"step": 3, "dweights": 0.0, "dshadow": 0.0, "decay": 0.5, "names": True}
