@@ -431,25 +431,26 @@ class AgreeingSavePlanner(dcp.DefaultSavePlanner):
         self.digests, self.host, self.stages = digests, host, None
 
     def create_local_plan(self):
-        self.plan = dataclasses.replace(super().create_local_plan(), planner_data=self.digests)
+        model = _model_keys(self.state_dict)
+        self.plan = dataclasses.replace(super().create_local_plan(), planner_data=(model, self.digests))
         return self.plan
 
     def create_global_plan(self, all_plans):
         holders = collections.defaultdict(lambda: collections.defaultdict(list))  # key -> digest -> ranks
         for rank, plan in enumerate(all_plans):
-            for key, digest in (plan.planner_data or {}).items():
+            for key, digest in plan.planner_data[1].items():
                 holders[key][digest].append(rank)
         differ = {key: list(ranks.values()) for key, ranks in sorted(holders.items()) if len(ranks) > 1}
         if differ:
             raise CheckpointError(_disagreement(differ))
-        self.stages = _stages([{item.index.fqn for item in plan.items} for plan in all_plans])
+        self.stages = len({plan.planner_data[0] for plan in all_plans})
         return super().create_global_plan(all_plans)
 
     def lookup_object(self, index):  # the host copy of a tensor (a DTensor's local shard), if there is one
         return self.host[index.fqn] if index.fqn in self.host else super().lookup_object(index)
 
-def _stages(keys):  # [each rank's keys] -> the pipeline stages: the distinct sets of model keys that ranks hold
-    return len({frozenset(key for key in mine if key.startswith("model.")) for mine in keys})
+def _model_keys(state):  # a digest of the model keys a rank holds: ranks of one pipeline stage hold the same
+    return hashlib.sha256(" ".join(sorted(k for k in state if k.startswith("model."))).encode()).hexdigest()[:16]
 
 def _disagreement(differ):  # {key: [ranks holding one value, ranks holding another, ...]}
     def ranks(group):
@@ -492,9 +493,10 @@ class HostCopy:
                             if isinstance(v, torch.Tensor)}
         self.flat, self.host, self.error, self.lock, self.tensors_now = flat, {}, None, threading.Lock(), None
         self.versions = self.read_versions()
-        self.stream = torch.cuda.Stream() if any(t.is_cuda for t in self.sources.values()) else None
-        self.ready = self.stream and torch.cuda.current_stream().record_event()  # what made the values
-        self.done, self.copied = self.stream and torch.cuda.Event(), threading.Event()
+        cuda = any(t.is_cuda for t in self.sources.values())
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.ready = torch.cuda.current_stream().record_event() if cuda else None  # the work that made the values
+        self.done, self.copied = torch.cuda.Event() if cuda else None, threading.Event()
         self.thread = threading.Thread(target=self.copy, name="ckpt-copy", daemon=True)
         self.thread.start()
 
@@ -641,7 +643,8 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
     return gone + (f" The newest other commit is {others[-1]}: pass it to load it." if others else "")
 
 # request: what dcp.load() reads into; objects: {key: object whose state is stored there}.
-Plan = collections.namedtuple("Plan", "step world_size stages metadata request objects")
+# unplaced: the keys of an extra's tensors that it held none of at load, read as CPU tensors.
+Plan = collections.namedtuple("Plan", "step world_size stages metadata request objects unplaced")
 
 def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every rank
     try:
@@ -663,7 +666,7 @@ def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every ra
     names = _param_names(model, model_sd)
     params = {fqn: param for param, fqns in names.items() for fqn in fqns}
     resized = manifest["world_size"] != _world_size()
-    objects = {}
+    objects, unplaced = {}, set()
     for key, obj in _objects(optimizers, names, extra, rng=bool(optimizers)).items():
         if ".rng." in key and (resized or key not in saved):
             continue  # generators: at another world size, or saved with rng=False or without CUDA, left as seeded
@@ -683,8 +686,10 @@ def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every ra
         for k in mine:
             param = params.get(obj.owner(k, f"{key}.state.")) if isinstance(obj, OptimizerByName) else None
             request[k] = _empty_like(saved[k], live.get(k), param)
+            if param is None and live.get(k) is None and request[k] is not None:
+                unplaced.add(k)
         objects[key] = obj
-    return Plan(manifest["step"], manifest["world_size"], manifest["stages"], metadata, request, objects)
+    return Plan(manifest["step"], manifest["world_size"], manifest["stages"], metadata, request, objects, unplaced)
 
 def _objects_in(keys):  # the optimizers and extras that keys belong to
     return sorted({_object_of(key) for key in keys if not key.startswith("model.")})
@@ -744,15 +749,13 @@ def _empty_like(saved, live, param):
 def _restore(plan, model):  # steps 5-6, after dcp.load(); user code runs
     model_sd = {key.removeprefix("model."): value for key, value in plan.request.items() if key.startswith("model.")}
     set_model_state_dict(model, model_sd)
-    def read(path, value):  # a leaf where a tensor was saved becomes the tensor read, laid out as it was saved
+    def read(path, value):  # a leaf where a tensor was saved becomes the tensor read
         if path not in plan.request or not isinstance(value, str) or value not in ("<tensor>", "<DTensor>"):
             return value
-        tensor = plan.request[path]
-        if isinstance(tensor, DTensor) != (value == "<DTensor>"):
-            raise CheckpointError(f"{path} was saved as a {value[1:-1]}, and would come back as a "
-                                  f"{type(tensor).__name__}: give the object its tensor, laid out as it will be "
-                                  "trained, before load() (an EMA's shadows from the parameters)")
-        return tensor
+        if value == "<DTensor>" and path in plan.unplaced:  # it would come back whole, on the CPU, on every rank
+            raise CheckpointError(f"{path} was saved as a DTensor, and the object held no tensor there to lay it "
+                                  "out like: give it its tensors before load() (an EMA's shadows from the parameters)")
+        return plan.request[path]
     for key, obj in plan.objects.items():
         if isinstance(obj, OptimizerByName):
             value = obj.from_groups([value for k, value in plan.request.items() if k.startswith(f"{key}.group.")])
@@ -918,8 +921,11 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.stages = stages
 
+    def create_local_plan(self):
+        return dataclasses.replace(super().create_local_plan(), planner_data=_model_keys(self.state_dict))
+
     def create_global_plan(self, global_plan):
-        now = _stages([{item.dest_index.fqn for item in plan.items} for plan in global_plan])
+        now = len({plan.planner_data for plan in global_plan})  # the stages: distinct sets of model keys
         if self.stages is not None and now != self.stages:  # param groups, stage extras: split otherwise
             raise CheckpointError(f"saved by {self.stages} pipeline stage(s) (ranks holding different model keys), "
                                   f"resumed by {now}: resume with {self.stages}, or load the weights alone")

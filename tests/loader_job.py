@@ -1,18 +1,17 @@
-"""One rank of a data-loading job for tests/test_dataloaders.py: the README's data recipes, with ckpt.
+"""One rank of a data-loading job for tests/test_dataloaders.py: ckpt's resume glue, as the README's loop imports it.
 
-    python tests/loader_job.py RECIPES ROOT STEPS [--stop-after K] [--resume] [--global-batch B] [--keep-loader]
-                                                  [--forget-position]
+    python tests/loader_job.py ROOT STEPS [--stop-after K] [--resume] [--global-batch B] [--keep-loader]
+                                          [--forget-position]
 
-RECIPES is a module holding the README's Position, SkippingSampler and ignore_sigterm. The data set is the numbers
-0-23; a global batch of 8 makes 3 steps an epoch. The loader is torchdata's StatefulDataLoader (2 workers) in the
-extras as "loader", left out of the load at another world size as the README's recipe does (--keep-loader: passed
-anyway; --forget-position, a control: the position is not loaded, as by a loop that forgets it). Each step's batch
-of every rank is gathered; rank 0 prints RESULT {"batches": {step: [rank 0's, ...]}, "resumed": step or None}, or
-RESULT {"error": message} if the load failed.
+Position, SkippingSampler and ignore_sigterm are ckpt's, imported as the README's loop imports them. The data set is
+the numbers 0-23; a global batch of 8 makes 3 steps an epoch. The loader is torchdata's StatefulDataLoader (2
+workers) in the extras as "loader", left out of the load at another world size as the README's recipe does
+(--keep-loader: passed anyway; --forget-position, a control: the position is not loaded, as by a loop that forgets
+it). Each step's batch of every rank is gathered; rank 0 prints RESULT {"batches": {step: [rank 0's, ...]},
+"resumed": step or None}, or RESULT {"error": message} if the load failed.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -23,9 +22,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ckpt  # noqa: E402
+from ckpt import Position, SkippingSampler, ignore_sigterm  # noqa: E402  (the README's import)
 
 p = argparse.ArgumentParser()
-p.add_argument("recipes")
 p.add_argument("root")
 p.add_argument("steps", type=int)
 p.add_argument("--stop-after", type=int)
@@ -34,9 +33,6 @@ p.add_argument("--global-batch", type=int, default=8)
 p.add_argument("--keep-loader", action="store_true")
 p.add_argument("--forget-position", action="store_true")
 args = p.parse_args()
-spec = importlib.util.spec_from_file_location("recipes", args.recipes)
-recipes = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recipes)
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,10 +40,10 @@ torch.manual_seed(0)
 model = torch.nn.Linear(2, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 dataset = list(range(24))
-sampler = recipes.SkippingSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=3)
+sampler = SkippingSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=3)
 loader = StatefulDataLoader(dataset, args.global_batch // world, sampler=sampler, num_workers=2,
-                            worker_init_fn=recipes.ignore_sigterm, generator=torch.Generator())
-position = recipes.Position(global_batch=args.global_batch)
+                            worker_init_fn=ignore_sigterm, generator=torch.Generator())
+position = Position(global_batch=args.global_batch)
 extra = {"data": position, "loader": loader}
 step, result = 0, {"resumed": None}
 try:

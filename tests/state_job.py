@@ -9,7 +9,8 @@ job exit at once, so the test names the scenario instead of waiting out its own 
 OUT receives multi_opt_ref.pt: the full parameters and optimizer state of the multi_opt checkpoint, for the test
 that loads that checkpoint at world size 1.
 
-tests/test_state.py imports build(), muon_adamw(), full(), Box and N from here (for the world-size-1 load).
+tests/test_state.py imports build(), muon_adamw(), full(), Box and N from here (for the world-size-1 load);
+tests/explicit_job.py its model, training step and run_scenarios().
 """
 
 import time
@@ -117,11 +118,14 @@ class Box:
 
 
 class EMA:
-    """An exponential moving average of the parameters, built lazily: its shadow is empty until the first update
-    (so it is empty when load() runs in a resumed job)."""
+    """An exponential moving average of the parameters. Lazy (the default): its shadow is empty until the first
+    update, so it is empty when load() runs in a resumed job, and load() refuses it (a DTensor would come back as
+    a plain tensor). eager=True: the shadow is built from the parameters at once (DTensors laid out like them),
+    and load() reads into it."""
 
-    def __init__(self, model, decay=0.9):
-        self.model, self.decay, self.updates, self.shadow = model, decay, 0, {}
+    def __init__(self, model, decay=0.9, eager=False):
+        self.model, self.decay, self.updates = model, decay, 0
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()} if eager else {}
 
     def update(self):
         with torch.no_grad():
@@ -193,8 +197,10 @@ def scen_multi_opt(root, out):
             "kinds": kinds, "weights_diff_end": max_diff(weights(model), weights(fresh))}
 
 
-def scen_lazy_ema(root, out):
-    """b. An EMA whose shadow dict is built on its first update: empty when load() runs."""
+def scen_ema(root, out):
+    """b. An EMA of the sharded parameters, built lazily in the saving run. Resumed into a lazy EMA (empty when
+    load() runs): refused by name. Resumed into an eager one (its shadows made from the parameters before load()):
+    read into its own tensors."""
     model = build(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ema = EMA(model)
@@ -204,10 +210,16 @@ def scen_lazy_ema(root, out):
     saved = {n: t.clone() for n, t in ema.shadow.items()}
     losses = [train_step(model, [opt], i, ema.update) for i in range(N, 2 * N)]
 
+    lazy_model = build(1)
+    lazy = EMA(lazy_model, decay=0.5)
+    lazy_opt = torch.optim.AdamW(lazy_model.parameters(), lr=1e-2)
+    refused = outcome(lambda: ckpt.load(root, lazy_model, lazy_opt, {"ema": lazy}))
+    refused["empty_after"] = lazy.shadow == {}
+
     fresh = build(1)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    fresh_ema = EMA(fresh, decay=0.5)  # decay is restored too
-    empty_at_load = fresh_ema.shadow == {}
+    fresh_ema = EMA(fresh, decay=0.5, eager=True)  # decay is restored too
+    own = dict(fresh_ema.shadow)  # the tensors load() must read into
     loaded = ckpt.load(root, fresh, fresh_opt, {"ema": fresh_ema})
     params = dict(fresh.named_parameters())
     layouts = {n: layout(t) for n, t in fresh_ema.shadow.items()}
@@ -219,7 +231,8 @@ def scen_lazy_ema(root, out):
         if sorted(fresh_ema.shadow) == names else None
     meta = {"decay": fresh_ema.decay, "updates": fresh_ema.updates}
     resumed = [train_step(fresh, [fresh_opt], i, fresh_ema.update) for i in range(N, 2 * N)]
-    return {"loaded": loaded, "empty_at_load": empty_at_load, "layouts": layouts, "same_layout": same_layout,
+    return {"loaded": loaded, "refused": refused, "layouts": layouts, "same_layout": same_layout,
+            "read_in_place": sorted(n for n, t in fresh_ema.shadow.items() if t is own.get(n)),
             "param_placements": {n: str(p.placements) for n, p in params.items()},
             "vs_saved": vs_saved, "meta": meta, "losses": losses, "resumed": resumed, "dloss": dloss(losses, resumed),
             "ema_diff_end": max_diff([fresh_ema.shadow[n] for n in names], [ema.shadow[n] for n in names]),
@@ -266,7 +279,9 @@ def scen_optimizer_extra(root, out):
 
 def scen_mixed_extra(root, out):
     """d. One extra holding DTensors keyed by their parameters' names (in a dict, a list, a tuple) and plain
-    tensors, beside a PerRank extra whose values differ between ranks."""
+    tensors, beside a PerRank extra whose values differ between ranks. Loaded first into an object that holds none
+    of its tensors (refused: a DTensor would come back plain), then into one that holds its DTensors, one of them
+    laid out otherwise than its parameter (Replicate): each comes back laid out like the object's own tensor."""
     model = build(0)
     with torch.no_grad():
         shared = {"a.weight": model.a.weight.detach() * 2,
@@ -277,7 +292,16 @@ def scen_mixed_extra(root, out):
     path = ckpt.save(root, 1, model, None, {"mixed": Box(shared), "own": ckpt.PerRank(Box(own))})
     keys = sorted(k for k in ckpt.read_metadata(path).state_dict_metadata if k.split(".")[0] in ("extra", "rank")
                   and ".rng." not in k)
-    fresh, box, own_box = build(1), Box({}), Box({})
+    fresh = build(1)
+    missing = outcome(lambda: ckpt.load(root, fresh, None, {"mixed": Box({}), "own": ckpt.PerRank(Box({}))}))
+    mesh = fresh.a.weight.device_mesh
+    with torch.no_grad():  # the object's own tensors at load; the plain ones it lacks come back as saved
+        mine = {".shared.a.weight": distribute_tensor(torch.zeros(16, 8), mesh, [Replicate()]),
+                ".shared.nested.0.b.weight": torch.zeros_like(fresh.b.weight),
+                ".shared.tup.0.norm.weight": torch.zeros_like(fresh.norm.weight)}
+    box = Box({"a.weight": mine[".shared.a.weight"], "nested": [{"b.weight": mine[".shared.nested.0.b.weight"]}],
+               "tup": ({"norm.weight": mine[".shared.tup.0.norm.weight"]},)})
+    own_box = Box({})
     loaded = ckpt.load(root, fresh, None, {"mixed": box, "own": ckpt.PerRank(own_box)})
     state, got, problems, leaves = {"shared": shared, "own": own}, {"shared": box.state, "own": own_box.state}, [], {}
 
@@ -296,36 +320,47 @@ def scen_mixed_extra(root, out):
             for i, (x, y) in enumerate(zip(a, b)):
                 compare(f"{path}.{i}", x, y)
         elif isinstance(a, torch.Tensor):
-            leaves[path] = {"saved": layout(a), "loaded": layout(b), "diff": max_diff([a], [b])}
-            if layout(a) != layout(b) or leaves[path]["diff"] != 0:
-                problems.append(f"{path}: {leaves[path]}")
+            expected = layout(mine[path]) if path in mine else layout(a)  # the object's own, else as saved
+            leaves[path] = {"saved": layout(a), "loaded": layout(b), "diff": max_diff([a], [b]),
+                            "read_in_place": b is mine.get(path)}
+            if layout(b) != expected or leaves[path]["diff"] != 0:
+                problems.append(f"{path}: {leaves[path]}, expected {expected}")
         elif a != b:
             problems.append(f"{path}: {a!r} saved, {b!r} loaded")
 
     compare("", state, got)
-    return {"loaded": loaded, "keys": keys, "problems": problems, "leaves": leaves,
+    return {"missing": missing, "loaded": loaded, "keys": keys, "problems": problems, "leaves": leaves,
             "rank_value": own_box.state.get("rank") if isinstance(own_box.state, dict) else None}
 
 
 def scen_unplaceable(root, out):
-    """e. A DTensor laid out like no model parameter: Replicate() on the mesh; Shard(0) of another shape."""
-    model = build(0)
+    """e. A DTensor laid out like no model parameter: Replicate() on the mesh; Shard(0) of another shape. Saved
+    under its own key; loaded into an object without it (refused by name), then into one holding a tensor of its
+    shape laid out the same way (read into it)."""
+    model, fresh = build(0), build(1)
     mesh = model.a.weight.device_mesh
-    cases = {"replicated": distribute_tensor(torch.ones(16, 8), mesh, [Replicate()]),
-             "reshaped": distribute_tensor(torch.ones(6, 8), mesh, [Shard(0)])}
+    cases = {"replicated": ((16, 8), [Replicate()]), "reshaped": ((6, 8), [Shard(0)])}
     res = {}
-    for name, value in cases.items():
+    for name, (shape, placements) in cases.items():
         sub = os.path.join(root, name)
-        r = outcome(lambda: ckpt.save(sub, 1, model, None, {name: Box({"keep": 1, "w": value})}))
-        r["listing"] = listing(sub)
+        value = distribute_tensor(torch.arange(float(shape[0] * shape[1])).reshape(shape), mesh, placements)
+        r = {"saved": outcome(lambda: ckpt.save(sub, 1, model, None, {name: Box({"keep": 1, "w": value})}))}
         r["committed"] = ckpt.committed_steps(sub)
+        r["missing"] = outcome(lambda: ckpt.load(sub, fresh, None, {name: Box({"keep": 0})}))
+        holder = Box({"keep": 0, "w": distribute_tensor(torch.zeros(shape), mesh, placements)})
+        own = holder.state["w"]
+        r["loaded"] = outcome(lambda: ckpt.load(sub, fresh, None, {name: holder}))
+        w = holder.state["w"]
+        r.update(keep=holder.state["keep"], layout=layout(w), saved_layout=layout(value), read_in_place=w is own,
+                 diff=max_diff([value], [w]))
         res[name] = r
     return res
 
 
 def scen_optimizer_refusals(root, out):
     """f. Optimizer state beyond tensors and numbers: a None momentum buffer (SGD, second in the list) round-trips;
-    LBFGS's lists of past directions (flat tensors laid out like no parameter) are refused by key."""
+    LBFGS's state, beside its lists of past directions, holds each rank's own loss (prev_loss: each rank's batch),
+    stored once in its group's value: refused by key."""
     model = build(0)
     adam = torch.optim.AdamW(model.a.parameters(), lr=1e-2)
     sgd = torch.optim.SGD([*model.norm.parameters(), *model.b.parameters()], lr=0.1, momentum=0.9)
@@ -438,7 +473,7 @@ def scen_same_and_older_step(root, out):
     return res
 
 
-ORDER = ["multi_opt", "lazy_ema", "optimizer_extra", "mixed_extra", "unplaceable", "optimizer_refusals", "dtype",
+ORDER = ["multi_opt", "ema", "optimizer_extra", "mixed_extra", "unplaceable", "optimizer_refusals", "dtype",
          "summary_mismatch", "same_and_older_step"]
 
 

@@ -3,7 +3,7 @@
 Guards against the field's async-checkpoint failures:
   * the "latest" checkpoint advanced (and the previous one deleted by retention) before every rank's background
     write was durable, so a crash left nothing loadable (KempnerInstitute/KempnerForge #102);
-  * a staged "copy" that shares memory with the live parameters (on CPU, moving a tensor "to the CPU" returns
+  * a host "copy" that shares memory with the live parameters (on CPU, moving a tensor "to the CPU" returns
     the same tensor): the optimizer step that follows the save lands in the checkpoint, a torn mix of N and N+1;
   * a resume from an asynchronously written checkpoint that is not continuous;
   * a rank killed in the middle of a background write;
@@ -11,7 +11,7 @@ Guards against the field's async-checkpoint failures:
     the others carry on or hang.
 
 Faults are injected from outside the shipped files: tests/inject.py patches dcp.FileSystemWriter.write_data
-(which runs in the background thread) for one rank and one step, then runs train_fsdp.py unchanged; the staging
+(which runs in the background thread) for one rank and one step, then runs train_fsdp.py unchanged; the host-copy
 and write-failure tests call ckpt directly from a small 2-rank script (DIRECT below). Ranks are forked from warm
 processes (tests/launch.py), not started by torchrun: the same ranks and environment, without the start-up cost.
 
@@ -179,7 +179,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.staging import DefaultStager
 from torch.utils.data import default_collate
 import ckpt, train_fsdp
 
@@ -233,6 +232,7 @@ def max_diff(a, b):
 def save_then_modify(step, model, opt, sub):
     gate["event"] = threading.Event()
     pending = ckpt.save(os.path.join(root, sub), step, model, opt, async_save=True)
+    pending.wait_copy()  # what the next optimizer step's pre-hook does before it writes in place
     with torch.no_grad():  # what the next optimizer step does, right after save() returned
         for p in model.parameters():
             p.add_(1.0)
@@ -243,7 +243,8 @@ def save_then_modify(step, model, opt, sub):
 
 
 def staged_roundtrip(sub):
-    """Save at step 3, +1 to everything right after save() returned, wait; load into a fresh model: the diffs."""
+    """Save at step 3, +1 to everything once the copy is done (wait_copy()), wait; load into a fresh model: the
+    diffs."""
     model, opt = build(3)
     at_save = snapshot(model, opt)
     save_then_modify(3, model, opt, sub).wait()
@@ -258,12 +259,19 @@ def staged_roundtrip(sub):
 result = {{}}
 model, opt, result["staged"] = staged_roundtrip("staged")
 
-# Control: torch's stager made to alias instead of copy (what "offloading to the CPU" does with tensors already
-# there): the test must see the change made after save() in the checkpoint.
-real_stage = DefaultStager.stage
-DefaultStager.stage = lambda self, state_dict, **kwargs: state_dict
+# Control: ckpt's own host copy made to alias instead of copy (what "offloading to the CPU" does with tensors
+# already there): its host dict holds the live tensors, which the writer then reads. The test must see the change
+# made after save() in the checkpoint.
+def aliasing_copy(self):
+    self.host.update(self.sources)  # a DTensor's local shard, the live tensor itself
+    self.copied.set()
+    self.settle()
+
+
+real_copy = ckpt.HostCopy.copy
+ckpt.HostCopy.copy = aliasing_copy
 _, _, result["aliased"] = staged_roundtrip("aliased")
-DefaultStager.stage = real_stage
+ckpt.HostCopy.copy = real_copy
 
 # A failed background write: rank 1's write raises, every rank must raise at wait().
 gate["fail_rank"] = 1
@@ -301,23 +309,25 @@ def direct(tmp_path_factory):
 
 
 def test_staged_copy_is_isolated_from_training(direct):
-    """A staged "copy" that shares memory with the live tensors, so that the optimizer step after save() lands
+    """A host "copy" that shares memory with the live tensors, so that the optimizer step after save() lands
     in the checkpoint (a torn mix of step N and N+1): parameters and Adam moments changed right after save()
-    returned must not reach the checkpoint.
+    returned, once the copy is done (pending.wait_copy(), the wait an optimizer step's pre-hook does), must not
+    reach the checkpoint.
 
-    The background write is held until after the change (+1 to every parameter and moment), so a staged "copy"
+    The background write is held until after the change (+1 to every parameter and moment), so a host "copy"
     that shared memory with the live tensors would write the changed values. The control shows the test would
-    see that: with torch's stager made to alias instead of copy, the loaded values are the changed ones."""
+    see that: with ckpt.HostCopy made to alias instead of copy (its host dict holding the live tensors), the
+    loaded values are the changed ones."""
     staged, aliased = direct["staged"], direct["aliased"]
     print(f"\nasync save, then +1 to every parameter and moment: loaded vs at save max |diff| = "
           f"{staged['vs_saved']:.3e}, "
           f"loaded vs modified = {staged['vs_modified']:.3e} ({staged['n']} tensors)")
-    print(f"control, a stager that aliases: loaded vs at save = {aliased['vs_saved']:.3e}, "
+    print(f"control, a HostCopy that aliases: loaded vs at save = {aliased['vs_saved']:.3e}, "
           f"loaded vs modified = {aliased['vs_modified']:.3e}")
     assert staged["n"] > 0 and staged["vs_saved"] == 0.0
     assert abs(staged["vs_modified"] - 1.0) < 1e-5  # +1 in fp32: 1 up to rounding
     assert aliased["n"] == staged["n"] and aliased["vs_modified"] == 0.0
-    assert abs(aliased["vs_saved"] - 1.0) < 1e-5, "an aliasing stager must be caught: the checkpoint differs by 1"
+    assert abs(aliased["vs_saved"] - 1.0) < 1e-5, "an aliasing host copy must be caught: the checkpoint differs by 1"
 
 
 def test_background_write_failure_raises_on_every_rank(direct):

@@ -8,7 +8,8 @@ data position as extras, an EMA per stage and dropout. Each test guards against 
   * stages that write one key (optimizer state numbered by position, one param group entry per optimizer):
     a stage's state lost or mixed with another's, so the resumed pipeline diverges;
   * a pipeline with FSDP inside each stage that resumes at its own layout only, or not bit for bit;
-  * a pipeline checkpoint that cannot move to another data-parallel degree inside the stages;
+  * a pipeline checkpoint that cannot move to another data-parallel degree inside the stages (FSDP2 stages
+    resumed as plain ones and back: optimizer state that was a DTensor comes back a plain tensor, and back);
   * two stages' different state stored under one name, one copy silently kept: it must be refused.
 
 How they launch: the 2-rank pipeline (pp=2) by torchrun itself, as users launch it; the 4-rank layouts by
@@ -166,13 +167,20 @@ def test_stages_with_fsdp_resume_bit_exact(pp2_dp2):
 @pytest.fixture(scope="module")
 def reshard(tmp_path_factory):
     """Without dropout (generators are not carried to another world size): an uninterrupted 12-step run on 4
-    ranks; its step 4 resumed on 2 ranks (pp=2 x dp=1) to step 8; that step 8 resumed on 4 ranks to 12."""
+    ranks; its step 4 resumed on 2 ranks (pp=2 x dp=1: plain stages, no fully_shard) to step 8; that step 8
+    resumed on 4 ranks to 12: optimizer state moves between DTensors and plain tensors both ways."""
     d = tmp_path_factory.mktemp("reshard")
     flags = ["--dropout", "0"]
     ref, _ = run(d / "ref", 4, steps=12, flags=flags)
-    down, down_out = run(d / "down", 2, steps=12, flags=[*flags, "--stop-after", "8"], resume=(d / "ref" / "ckpt", 4))
-    up, up_out = run(d / "up", 4, steps=12, flags=flags, resume=(d / "down" / "ckpt", 8))
-    return d, ref, [("4 -> 2 ranks at step 4", down, d / "down", 5), ("2 -> 4 ranks at step 8", up, d / "up", 9)]
+    hops = []
+    for name, nproc, sub, first, source in (("4 -> 2 ranks at step 4", 2, "down", 5, ("ref", 4)),
+                                             ("2 -> 4 ranks at step 8", 4, "up", 9, ("down", 8))):
+        src = d / source[0] / "ckpt"
+        stop = ["--stop-after", "8"] if sub == "down" else []
+        rc, log, out = run(d / sub, nproc, steps=12, flags=[*flags, *stop], resume=(src, source[1]), check=False)
+        assert rc == 0, f"{name}: exit {rc}\n{out[-4000:]}"
+        hops.append((name, log, d / sub, first))
+    return d, ref, hops
 
 
 def leaves(value, path=""):
@@ -199,6 +207,8 @@ def compare_close(want, got):
             worst = max(worst, diff / scale if scale else diff)
         elif isinstance(a, torch.Tensor):
             assert torch.equal(a, b), k
+        elif a in ("<tensor>", "<DTensor>"):  # where a tensor was, as saved: a DTensor at dp=2, plain at dp=1
+            assert b in ("<tensor>", "<DTensor>"), (k, a, b)
         else:
             assert type(a) is type(b) and a == b, (k, a, b)
     assert worst <= RTOL, f"the final states differ by {worst:.1e} of a tensor's largest magnitude"

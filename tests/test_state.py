@@ -6,8 +6,9 @@ optimizer's moments lost), values refused only at resume time instead of at save
 to fix, and a save that silently rewrites or rewinds the step it continues from.
 
 The single-process tests build a small FSDP2 model at world size 1. The 2-rank scenarios (several optimizers,
-a lazy EMA, an optimizer passed as an extra, DTensors in extras, refusals on every rank) run in ONE torchrun job,
-tests/state_job.py, launched once for the module; each test below asserts on its part of the job's RESULT line.
+an EMA lazy or eager at load, an optimizer passed as an extra, DTensors in extras, refusals on every rank) run in
+ONE torchrun job, tests/state_job.py, launched once for the module; each test below asserts on its part of the
+job's RESULT line.
 
     python -m pytest -q -s tests/test_state.py
 """
@@ -247,8 +248,8 @@ def test_one_model_saved_to_two_roots_in_turn(tmp_path):
 
 def test_parameters_named_like_the_keys_parts(tmp_path):
     """A model whose parameters are named 0 and 1 (a ParameterList at the top): the key optim.0.state.1.exp_avg
-    names parameter 1, not the optimizer's index 0. Guards against a valid optimizer refused, or its moments laid
-    out like another parameter."""
+    names parameter 1, not the optimizer's index 0; every tensor of a parameter's state has its own key, the step
+    too. Guards against a valid optimizer refused, or its moments laid out like another parameter."""
     torch.manual_seed(0)
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(3))])
     fully_shard(model)
@@ -263,7 +264,7 @@ def test_parameters_named_like_the_keys_parts(tmp_path):
     ckpt.load(path, fresh, fresh_opt)
     shapes = {k: tuple(v.shape) for p in fresh for k, v in fresh_opt.state[p].items() if k != "step"}
     print(f"\nkeys {keys}; moments after load {shapes}")
-    assert keys == [f"optim.0.state.{i}.{k}" for i in (0, 1) for k in ("exp_avg", "exp_avg_sq")]
+    assert keys == [f"optim.0.state.{i}.{k}" for i in (0, 1) for k in ("exp_avg", "exp_avg_sq", "step")]
     assert all((a.full_tensor() == b.full_tensor()).all() for a, b in zip(model, fresh))
 
 
@@ -513,25 +514,35 @@ def test_several_optimizers_load_at_world_size_1(job):
     assert max(d_state.values()) == 0 and max(d_params.values()) == 0
 
 
-def test_lazy_ema_comes_back_as_dtensors(job):
-    """An EMA extra whose shadow dict is built on its first update (empty when load() runs): after load each
-    shadow value is a DTensor with its parameter's mesh, placements and shape, equal to what was saved; training
+def test_ema_comes_back_into_its_own_dtensors(job):
+    """An EMA of the sharded parameters (DTensors), saved by a run that built it lazily. Resumed into a lazy EMA
+    (its shadow dict empty when load() runs): nothing says how to lay its tensors out, so load() refuses on every
+    rank, naming the first shadow key and the fix (the shadows before load()), and the EMA stays empty. Resumed
+    into an eager EMA (shadows made from the parameters before load()): each shadow is read into the EMA's own
+    DTensor, in place, so it keeps its parameter's mesh, placements and shape, equal to what was saved; training
     and the EMA continue bit-exact. Guards against an EMA restored as plain tensors (wrong shard or a 'mixed
-    torch.Tensor and DTensor' error), or not restored because the live object held nothing to load into."""
-    for r, res in enumerate(scenario(job, "lazy_ema")):
+    torch.Tensor and DTensor' error at its next update), or silently not restored."""
+    ranks = scenario(job, "ema")
+    msg = refused_everywhere([res["refused"] for res in ranks],
+                             "extra.ema.shadow.a.weight was saved as a DTensor, and would come back as a Tensor",
+                             "before load() (an EMA's shadows from the parameters)")
+    print(f"\nlazy EMA at load: {msg[:300]}")
+    for r, res in enumerate(ranks):
         kinds = {(v["type"], v["placements"]) for v in res["layouts"].values()}
-        print(f"\nrank {r}: empty at load {res['empty_at_load']}; shadow after load {kinds}; params "
-              f"{set(res['param_placements'].values())}; max |diff| vs saved {res['vs_saved']}; max |dloss| "
-              f"{res['dloss']}; max |d EMA| at the end {res['ema_diff_end']}; decay/updates {res['meta']}")
-        assert res["loaded"] == state_job.N and res["empty_at_load"]
+        print(f"rank {r}: eager EMA: read in place {len(res['read_in_place'])} of {len(res['layouts'])}; shadow "
+              f"after load {kinds}; params {set(res['param_placements'].values())}; max |diff| vs saved "
+              f"{res['vs_saved']}; max |dloss| {res['dloss']}; max |d EMA| at the end {res['ema_diff_end']}; "
+              f"decay/updates {res['meta']}")
+        assert res["refused"]["empty_after"], "the refused load must leave the lazy EMA as it was"
+        assert res["loaded"] == state_job.N
+        assert res["read_in_place"] == sorted(res["param_placements"])
         assert sorted(res["layouts"]) == sorted(res["param_placements"]) and all(res["same_layout"].values())
         assert all(v["type"] == "DTensor" for v in res["layouts"].values())
         assert res["vs_saved"] == 0 and res["meta"] == {"decay": 0.9, "updates": state_job.N}
         assert res["dloss"] == 0 and res["ema_diff_end"] == 0
-        # Each shadow tensor follows the parameter of its own name (not merely one laid out alike), so it reshards
-        # with it if that parameter alone changes its layout.
+        # Each shadow tensor has its own key, its path in the EMA's state (here the name of its parameter).
         followed = [key.removeprefix("extra.ema.shadow.") for key in res["tensor_keys"]]
-        print(f"rank {r}: the shadows' keys name the parameters they follow: {followed}")
+        print(f"rank {r}: the shadows' keys: {followed}")
         assert followed == sorted(res["param_placements"])
 
 
@@ -554,51 +565,73 @@ def test_optimizer_in_extra_before_its_first_step(job):
 
 
 def test_extra_mixing_dtensors_and_plain_values(job):
-    """An extra holding DTensors keyed by their parameters' names (in a dict, a list, a tuple) and plain tensors,
-    beside a ckpt.PerRank extra whose values differ per rank: each comes back exactly, each leaf of the type,
-    placements, dtype and device it was, each rank its own value of the PerRank one. Guards against DTensors
-    flattened to plain tensors, plain ones sharded, or one rank's value given to every rank."""
-    for r, res in enumerate(scenario(job, "mixed_extra")):
+    """An extra holding DTensors under keys that name parameters (in a dict, a list, a tuple) and plain tensors,
+    beside a ckpt.PerRank extra whose values differ per rank. Every tensor has its own key, its path. Loaded into
+    objects that hold none of their tensors: refused on every rank, naming the first DTensor's key (a key naming a
+    parameter lends no layout). Loaded into an object that holds its DTensors, one of them Replicate() though its
+    namesake parameter is sharded: each comes back exactly, read into the object's own tensor and laid out like
+    it; the plain ones (absent at load) as the Tensor, dtype and device they were; each rank its own value of the
+    PerRank one. Guards against DTensors flattened to plain tensors or laid out like a parameter they only share
+    a name with, plain ones sharded, or one rank's value given to every rank."""
+    ranks = scenario(job, "mixed_extra")
+    msg = refused_everywhere([res["missing"] for res in ranks],
+                             "extra.mixed.a.weight was saved as a DTensor, and would come back as a Tensor")
+    print(f"\nobjects without their tensors at load: {msg[:240]}")
+    for r, res in enumerate(ranks):
         leaves = {k: (v["loaded"]["type"], v["loaded"]["placements"], v["diff"]) for k, v in res["leaves"].items()}
-        print(f"\nrank {r}: keys {res['keys']}; leaves {leaves}; rank value {res['rank_value']}; "
+        print(f"rank {r}: keys {res['keys']}; leaves {leaves}; rank value {res['rank_value']}; "
               f"problems {res['problems']}")
         assert res["loaded"] == 1 and res["problems"] == [] and res["rank_value"] == r
         assert res["keys"] == ["extra.mixed", "extra.mixed.a.weight", "extra.mixed.nested.0.b.weight",
-                               "extra.mixed.tup.0.norm.weight", "rank.0.extra.own", "rank.1.extra.own"]
-        assert [k for k, v in leaves.items() if v[0] == "DTensor"] == [
-            ".shared.a.weight", ".shared.nested.0.b.weight", ".shared.tup.0.norm.weight"]
+                               "extra.mixed.nested.1.plain", "extra.mixed.tup.0.norm.weight", "extra.mixed.tup.1",
+                               "rank.0.extra.own", "rank.0.extra.own.per_rank_t", "rank.1.extra.own",
+                               "rank.1.extra.own.per_rank_t"]
+        dtensors = [k for k, v in leaves.items() if v[0] == "DTensor"]
+        assert dtensors == [".shared.a.weight", ".shared.nested.0.b.weight", ".shared.tup.0.norm.weight"]
+        assert all(res["leaves"][k]["read_in_place"] for k in dtensors)
+        assert leaves[".shared.a.weight"][1] == "(Replicate(),)" and leaves[".shared.tup.0.norm.weight"][1] == \
+            "(Shard(dim=0),)"
         assert len(leaves) == 6 and all(v[2] == 0 for v in leaves.values())
 
 
-def test_dtensor_laid_out_like_no_parameter_is_refused(job):
-    """A DTensor in an extra laid out like no model parameter (Replicate() on the mesh; Shard(0) of another
-    shape) is refused by save() on every rank, naming the extra and the key; nothing is written. Guards against a
-    checkpoint whose extra load() cannot place."""
+def test_dtensor_laid_out_like_no_parameter(job):
+    """A DTensor in an extra laid out like no model parameter (Replicate() on the mesh; Shard(0) of another shape)
+    is saved under its own key; its layout at load is the object's to give: loaded into an object that lacks it,
+    refused on every rank naming the key; into one holding a DTensor of its shape, read into that tensor, equal
+    to what was saved. Guards against a checkpoint whose extra load() cannot place, or places by guesswork."""
     res = scenario(job, "unplaceable")
     for case in ("replicated", "reshaped"):
         per_case = [r[case] for r in res]
-        msg = refused_everywhere(per_case, "save() failed on 2 rank(s)", f"extra.{case}.w is a DTensor",
-                                 "names no parameter laid out like it")
-        print(f"\n{case}: {msg[:260]}; root after: {[r['listing'] for r in per_case]}")
-        assert all(r["listing"] == [] and r["committed"] == [] for r in per_case)
+        msg = refused_everywhere([r["missing"] for r in per_case],
+                                 f"extra.{case}.w was saved as a DTensor, and would come back as a Tensor")
+        print(f"\n{case}: saved {[r['saved']['raised'] for r in per_case]}, committed "
+              f"{[r['committed'] for r in per_case]}; into an object without it: {msg[:200]}; into one with it: "
+              f"{[r['loaded']['raised'] for r in per_case]}, {per_case[0]['layout']['placements']} "
+              f"{per_case[0]['layout']['shape']}, read in place {[r['read_in_place'] for r in per_case]}, max |diff| "
+              f"{[r['diff'] for r in per_case]}")
+        for r in per_case:
+            assert r["saved"]["raised"] is None and r["committed"] == [1] and r["loaded"]["raised"] is None
+            assert r["read_in_place"] and r["layout"] == r["saved_layout"] and r["diff"] == 0 and r["keep"] == 1
 
 
 def test_optimizer_state_beyond_tensors(job):
     """SGD(momentum=0.9) holding {'momentum_buffer': None} for a parameter (second in optimizer=[adamw, sgd]) saves
-    and comes back None, every other buffer equal; LBFGS's lists of flat past directions (laid out like no
-    parameter) are refused by save() on every rank before anything is written, naming the key. Guards against a
-    checkpoint that drops or invents optimizer state, or a save that fails inside DCP with a message that names
-    nothing."""
+    and comes back None, every other buffer equal; LBFGS, whose state beside its lists of flat past directions
+    holds each rank's own loss (prev_loss, a number in its param group's value, stored once), is refused by save()
+    on every rank, naming that key and the ranks on each side, nothing committed. Guards against a checkpoint that
+    drops or invents optimizer state (one rank's value for both), or a save that fails inside DCP with a message
+    that names nothing."""
     res = scenario(job, "optimizer_refusals")
     for r, x in enumerate(res):
         print(f"\nrank {r}: SGD save {x['sgd']['raised']}, load {x['sgd']['loaded']['raised']}; momentum buffers "
               f"after load (max |diff|, None kept None): {x['sgd']['buffers']}")
         assert x["sgd"]["raised"] is None and x["sgd"]["loaded"]["raised"] is None and x["sgd"]["none_kept"]
         assert x["sgd"]["buffers"] == {"b.bias": 0.0, "b.weight": None, "norm.bias": 0.0, "norm.weight": 0.0}
-    lbfgs = refused_everywhere([r["lbfgs"] for r in res], "optim.0.state.", "names no parameter laid out like it")
+    lbfgs = refused_everywhere([r["lbfgs"] for r in res], "optim.0.group.a.weight (ranks 0 | 1)",
+                               "Nothing was committed")
     print(f"LBFGS: {lbfgs[:300]}\nLBFGS state: {res[0]['lbfgs']['state_types']}")
     assert all(r["lbfgs"]["step_error"] is None for r in res)
-    assert all(r["lbfgs"]["listing"] == [] for r in res)
+    assert all(r["lbfgs"]["listing"] == [ckpt.OWNER] for r in res)
 
 
 def test_model_of_another_dtype_is_refused(job):
@@ -630,8 +663,9 @@ def test_optimizer_state_is_checked_after_load(job):
 def test_save_of_the_loaded_step_and_of_an_older_one(job):
     """After load() of step 3 and another optimizer step (the counter not advanced), save(3) replaces step 3 with
     the state given (sync, then async after one more step): the checkpoint at the returned path holds the live
-    weights; save(2) is refused on every rank ('is before step'). Guards against a save that returns the path of a
-    checkpoint not holding the state it was given, or rewinds the root's history without a rollback."""
+    weights; save(2) is refused on every rank (the root holds a later step; a rollback is said, with
+    check_root(rollback_to=)). Guards against a save that returns the path of a checkpoint not holding the state
+    it was given, or rewinds the root's history without a rollback."""
     res = scenario(job, "same_and_older_step")
     for r, x in enumerate(res):
         print(f"\nrank {r}: save(3) after another step: {x['same']['raised']} -> {x['same'].get('value')}, its "
@@ -641,4 +675,5 @@ def test_save_of_the_loaded_step_and_of_an_older_one(job):
         assert x["same"]["raised"] is None and x["same"]["value"] == x["path3"] and x["sync_vs_live"] == 0
         assert x["same_async"] == {"path": x["path3"], "done": True} and x["async_vs_live"] == 0
         assert x["dirs"] == [ckpt.OWNER, "step-00000002", "step-00000003"]
-    refused_everywhere([x["older"] for x in res], "is before step 3")
+    refused_everywhere([x["older"] for x in res], "holds step-00000003, a later step than 2",
+                       "ckpt.check_root(root, model, rollback_to=<the step loaded>)")

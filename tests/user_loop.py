@@ -26,8 +26,9 @@ The model always has what real models bring: tied input/output embeddings (both 
 torch 2.13 refuses a parameter shared across groups), dropout, a trainable parameter that never gets a
 gradient ("unused"), and a branch used only on every third step ("aux"), so its AdamW step lags. `extra`
 holds a OneCycleLR (or SequentialLR) scheduler, a GradScaler (disabled: enabled only for fp16, which this
-script does not offer; its state_dict() is {}), an EMA of the sharded parameters (DTensors, built lazily at
-its first update, so that a resume loads into an EMA that holds no tensor yet), and the data stream: with
+script does not offer; its state_dict() is {}), an EMA of the sharded parameters (DTensors, made from the
+parameters when the EMA is built, before load(), which reads each saved shadow into them: an EMA built at its
+first update would hold no tensor at load(), and ckpt refuses it by name), and the data stream: with
 --data per-rank (default) each rank draws from its own torch and numpy generators, so that state differs per
 rank and cannot move to another world size (so it is passed as ckpt.PerRank(data)); with --data global sample
 i depends only on (seed, i), as in
@@ -35,8 +36,8 @@ train_fsdp.py. ckpt refuses numpy values in extras (load() could not restore the
 the checkpoint): RankStream.state_dict() converts its numpy state to ints and tensors, load_state_dict() back.
 
 --ema-not-loaded: the EMA is updated and saved but not passed to load(), a realistic user mistake (ckpt only
-warns "not restored from ...: ema"): the resumed run's EMA restarts from the weights of its first step, so
-its final checkpoint differs from an uninterrupted run's, while its losses do not. A checkpoint is saved at
+warns "not restored from ...: ema"): the resumed run's EMA restarts from the initial weights, so its final
+checkpoint differs from an uninterrupted run's, while its losses do not. A checkpoint is saved at
 the last step (--steps), so the final checkpoints of two runs can be compared.
 
 --dump-state DIR gathers the full model and optimizer state, every rank's extras and the full EMA right before
@@ -213,20 +214,21 @@ class GlobalStream:
 class EMA:
     """Exponential moving average of the sharded parameters (DTensors, each laid out like its parameter),
     keyed by the parameter's name without wrapper parts (torch.compile's _orig_mod, activation
-    checkpointing's _checkpoint_wrapped_module), so that toggling a wrapper keeps its keys. Built at the
-    first update, as many users write it: a resume loads it while it holds no tensor."""
+    checkpointing's _checkpoint_wrapped_module), so that toggling a wrapper keeps its keys. Its shadows are
+    made from the parameters when it is built, before load(): ckpt reads each saved shadow into the EMA's own
+    DTensor (laid out as it will be trained); an EMA built at its first update would be empty at load(), and
+    ckpt refuses it (a DTensor saved would come back as a plain tensor)."""
 
     def __init__(self, model, decay):
-        self.model, self.decay, self.shadow = model, decay, None
+        self.model, self.decay = model, decay
+        with torch.no_grad():
+            self.shadow = {n: p.detach().clone() for n, p in self.params().items()}
 
     def params(self):
         return {".".join(k for k in n.split(".") if not k.startswith("_")): p for n, p in self.model.named_parameters()}
 
     @torch.no_grad()
     def update(self):
-        if self.shadow is None:
-            self.shadow = {n: p.detach().clone() for n, p in self.params().items()}
-            return
         params = self.params()  # one foreach op for all of them, as timm's ModelEmaV3 does
         torch._foreach_lerp_([self.shadow[n] for n in params], [p.detach() for p in params.values()], 1 - self.decay)
 
@@ -307,7 +309,7 @@ def dump(kind):
         full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True))
     extras = [None] * world
     dist.all_gather_object(extras, {k: v.state_dict() for k, v in extra.items() if k != "ema"})
-    shadow = {n: t.full_tensor() for n, t in (ema.shadow or {}).items()}  # collective
+    shadow = {n: t.full_tensor() for n, t in ema.shadow.items()}  # collective
     raw = getattr(model, "_orig_mod", model)  # under --compile; only to look at the tie
     if rank == 0:
         torch.save({"model": msd, "optim": osd, "extra": extras, "ema": shadow, "world": world,
