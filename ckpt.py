@@ -119,7 +119,7 @@ class PerRank:
 Outcome = collections.namedtuple("Outcome", "value error")  # a local step's result, or its error message
 Generator = collections.namedtuple("Generator", "state_dict load_state_dict")  # a random generator's two calls
 _groups = {}  # timeout -> the gloo group of checkpoint collectives
-_locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0; None: lock=False)
+_locks = {}  # root -> the open .owner.json whose lock claims it for this run (rank 0)
 _resumed = weakref.WeakSet()  # the modules of models a load() with their optimizer restored
 _part_loaded = weakref.WeakSet()  # models a load failed to finish writing into: save() refuses them until a load does
 _in_flight = []  # the async save being copied and written, at most one
@@ -140,7 +140,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
             "meta": json.dumps(meta, sort_keys=True, default=repr),  # equal JSON, whatever the order of its keys
             "optimizers": [type(o).__name__ for o in optimizers]}
     _vote(group, "save()", collected.error, args)
-    flat, hashed = collected.value
+    flat, hashed = collected.value.flat, collected.value.hashed
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
     resumed = any(m in _resumed for m in model.modules())
     tmp = _rank0(group, f"save: prepare step {step} in {root} (rank 0)", _prepare, root, step, resumed)
@@ -211,7 +211,7 @@ def check_root(root, model, *, rollback_to=None, lock=True, timeout=DEFAULT_TIME
           {"root": root, "rollback_to": rollback_to, "lock": lock})
     resumed = any(m in _resumed for m in model.modules())
     _rank0(group, "check_root() (rank 0)", _claim, root, None, resumed, rollback_to, lock)
-    _check_shared(group, os.path.join(root, OWNER) if lock else root)
+    _check_shared(group, os.path.join(root, OWNER))
 
 def close():
     """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): wait for a save in flight,
@@ -220,9 +220,8 @@ def close():
         wait_pending()
     finally:
         for owner in _locks.values():  # first: the root is released whatever fails below
-            if owner is not None:
-                os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
-                os.close(owner)  # releases the lock
+            os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
+            os.close(owner)  # releases the lock
         for registry in (_buffers, _locks, _resumed, _part_loaded):  # the next run in this process starts afresh
             registry.clear()
         while _groups:  # last: it raises if the default group is gone already
@@ -256,11 +255,13 @@ def wait_pending():  # the save in flight, if any, must be over before the group
 
 # ---- save, step by step ----
 
+# flat: {DCP key: value}; hashed: the keys whose holders must agree, compared by digest at the write.
+Collected = collections.namedtuple("Collected", "flat hashed")
+
 def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
-    """(flat, hashed): {DCP key: value} and the keys whose holders must agree (compared by digest at the write)."""
     if not _count(step, 0) or not (keep is None or _count(keep, 1)):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
-    json.dumps(meta)  # refused now if it is not JSON, not at the commit after every rank wrote
+    json.dumps(meta, sort_keys=True)  # refused now if it is not JSON, not at the commit after every rank wrote
     if model in _part_loaded:  # its shards would mix ranks that read a checkpoint with ranks that did not
         raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
                               "optimizers may hold part of it: load() again before saving")
@@ -270,15 +271,20 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
             for k, v in model_sd.items()}  # an object from get_extra_state() too: load() must restore it
     unhashed = {f"model.{fqns[0]}" for fqns in names.values()}  # parameters; their optimizer state below
     for key, obj in _objects(optimizers, names, extra, rng).items():
-        skeleton = _walk(obj.state_dict(), _lift(flat), key)  # its tensors into flat
-        if isinstance(obj, OptimizerByName):
-            flat.update(obj.by_group(skeleton, key))
+        if isinstance(obj, OptimizerByName):  # its state's tensors by parameter; the groups' options in their value
+            sd = obj.state_dict()
+            sd["state"] = _walk(sd["state"], _lift(flat), f"{key}.state")
+            sd["param_groups"] = _walk(sd["param_groups"], _restorable, f"{key}.param_groups")
+            flat.update(obj.by_group(sd, key))
             unhashed.update(k for k in flat if k.startswith(f"{key}.state."))
-        elif key not in flat:  # else its state is one tensor (rng.torch), stored under its key
-            flat[key] = skeleton
-    hashed = {key for key, value in flat.items()
-              if key not in unhashed and not key.startswith("rank.") and not isinstance(value, DTensor)}
-    return flat, hashed if _world_size() > 1 else set()
+        else:
+            skeleton = _walk(obj.state_dict(), _lift(flat), key)  # its tensors into flat
+            if key not in flat:  # else its state is one tensor (rng.torch), stored under its key
+                flat[key] = skeleton
+    if _world_size() == 1:
+        return Collected(flat, set())
+    return Collected(flat, {key for key, value in flat.items()
+                            if key not in unhashed and not key.startswith("rank.") and not isinstance(value, DTensor)})
 
 def _lift(flat):
     """Each tensor of an object's state gets a key of its own, its path (DCP stores a DTensor's shards, a tensor's
@@ -431,19 +437,19 @@ class AgreeingSavePlanner(dcp.DefaultSavePlanner):
         self.digests, self.host, self.stages = digests, host, None
 
     def create_local_plan(self):
-        model = _model_keys(self.state_dict)
-        self.plan = dataclasses.replace(super().create_local_plan(), planner_data=(model, self.digests))
+        stage = _model_keys(self.state_dict)
+        self.plan = dataclasses.replace(super().create_local_plan(), planner_data={"stage": stage, **self.digests})
         return self.plan
 
     def create_global_plan(self, all_plans):
         holders = collections.defaultdict(lambda: collections.defaultdict(list))  # key -> digest -> ranks
         for rank, plan in enumerate(all_plans):
-            for key, digest in plan.planner_data[1].items():
+            for key, digest in plan.planner_data.items():
                 holders[key][digest].append(rank)
+        self.stages = len(holders.pop("stage"))  # pipeline stages: the ranks of one hold the same model keys
         differ = {key: list(ranks.values()) for key, ranks in sorted(holders.items()) if len(ranks) > 1}
         if differ:
             raise CheckpointError(_disagreement(differ))
-        self.stages = len({plan.planner_data[0] for plan in all_plans})
         return super().create_global_plan(all_plans)
 
     def lookup_object(self, index):  # the host copy of a tensor (a DTensor's local shard), if there is one
@@ -517,6 +523,8 @@ class HostCopy:
                 if t.is_cuda:
                     t.record_stream(self.stream)  # its memory is not reused until the copy has read it
                 self.host[key] = buf
+            for key in set(_buffers) - set(self.sources):  # keys gone since the last save: their memory goes too
+                del _buffers[key]
             if self.stream is not None:
                 self.done.record(self.stream)
         except Exception as e:
@@ -674,19 +682,20 @@ def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every ra
             raise CheckpointError(f"extra {key.split('.', 3)[3]!r} is per rank (a position within one rank's shard), "
                                   f"saved at world size {manifest['world_size']}, not {_world_size()}: resume at that "
                                   "size, or rebuild it from a global position and leave it out of load()")
-        if isinstance(obj, OptimizerByName):  # every group of every stage: matched by the names they hold
-            mine = [k for k in saved if k.startswith(f"{key}.group.")]
-            mine += [k for k in saved if k.startswith(f"{key}.state.") and obj.owner(k, f"{key}.state.")]
+        owners = {}  # an optimizer's state tensors of this rank's parameters: {key: the parameter}
+        if isinstance(obj, OptimizerByName):  # and every group of every stage: matched by the names they hold
+            values = [k for k in saved if k.startswith(f"{key}.group.")]
+            owners = {k: obj.owner(k, f"{key}.state.") for k in saved if k.startswith(f"{key}.state.")}
+            owners = {k: params[fqn] for k, fqn in owners.items() if fqn is not None}
         else:  # the object's value, and each of its tensors
-            mine = [k for k in saved if k == key or k.startswith(f"{key}.")]
-        if not mine:
+            values = [k for k in saved if k == key or k.startswith(f"{key}.")]
+        if not values:
             raise CheckpointError(f"{_object_of(key)} is not in {ckpt_dir}, which holds {_objects_in(saved)}")
         live = {}  # the object's present tensors: read into in place, as plain DCP does (no second copy)
         _walk(obj.state_dict(), lambda path, value: live.setdefault(path, value), key)
-        for k in mine:
-            param = params.get(obj.owner(k, f"{key}.state.")) if isinstance(obj, OptimizerByName) else None
-            request[k] = _empty_like(saved[k], live.get(k), param)
-            if param is None and live.get(k) is None and request[k] is not None:
+        for k in values + list(owners):
+            request[k] = _empty_like(saved[k], live.get(k), owners.get(k))
+            if k not in owners and live.get(k) is None and request[k] is not None:
                 unplaced.add(k)
         objects[key] = obj
     return Plan(manifest["step"], manifest["world_size"], manifest["stages"], metadata, request, objects, unplaced)
@@ -1032,12 +1041,11 @@ def _claim(root, step, resumed, rollback_to=None, lock=True):
     each other's saves in progress, each taking them for a crashed run's). A root holding commits takes a model
     that was resumed (a forgotten resume would start over), and no save that leaves a later step the newest."""
     if root not in _locks:
-        owner = _lock(root) if lock else None
+        owner = _lock(root, lock)
         steps = _steps(root)
-        if steps and not resumed:
-            if owner is not None:  # this run does not hold the root: its record goes, and the lock with the file
-                os.ftruncate(owner, 0)
-                os.close(owner)
+        if steps and not resumed:  # this run does not hold the root: its record goes, and the lock with the file
+            os.ftruncate(owner, 0)
+            os.close(owner)
             raise CheckpointError(f"{root} holds checkpoints up to {os.path.join(root, steps[max(steps)])}, and this "
                                   "run loaded none of them into its model as a resume (load() with the optimizer; "
                                   "a weights-only load is an initialisation): resume from the root, or use another")
@@ -1085,13 +1093,15 @@ def _roll_back(root, step):
             os.remove(os.path.join(root, name))
     fsync_dir(root)
 
-def _lock(root):
+def _lock(root, lock=True):
     """An exclusive lock on root's .owner.json, which the kernel (or NFS's lock manager) releases once every
-    process holding the file open is gone: no run id, pid or age is guessed at. Writes who holds it."""
+    process holding the file open is gone: no run id, pid or age is guessed at. Writes who holds it (lock=False:
+    no lock, the file alone, which every rank must see)."""
     os.makedirs(root, exist_ok=True)
     owner = os.open(os.path.join(root, OWNER), os.O_RDWR | os.O_CREAT, 0o644)
     try:  # relies on the file system's locks (NFS with locking, Lustre -o flock); one of two takers at once wins
-        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if lock:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
         os.close(owner)
@@ -1117,8 +1127,7 @@ def _lock(root):
 
 def _release_in_child():  # after os.fork(), in the child: its copy of the lock's file would keep the lock held
     for owner in _locks.values():
-        if owner is not None:
-            os.close(owner)
+        os.close(owner)
     _locks.clear()
 
 # ---- the resume glue a loop needs beside save() and load(): the data's place, preemption ----

@@ -173,6 +173,29 @@ def test_zero_dim_parameter_state_placed_as_the_optimizer_places_it(tmp_path, pl
 Point = collections.namedtuple("Point", "x y")
 
 
+def test_tensor_options_and_a_root_claimed_without_a_lock(tmp_path, plain):
+    """An optimizer option that is a tensor (lr=torch.tensor(...), as torch.compile'd steps use) comes back a
+    tensor equal to the saved one, and the next step() runs (a placeholder string in its place broke it); a root
+    claimed with lock=False is claimed again by a later check_root() (not refused as unseen storage)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01), foreach=False)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt.check_root(tmp_path / "root", model, lock=False)
+    ckpt.check_root(tmp_path / "root", model)  # the claim stands: no lock now either
+    ckpt.save(tmp_path / "root", 1, model, opt)
+    ckpt.close()
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=torch.tensor(0.5), foreach=False)
+    assert ckpt.load(tmp_path / "root", fresh, fresh_opt) == 1
+    lr = fresh_opt.param_groups[0]["lr"]
+    print(f"\nlr after load: {lr!r}; root holds {sorted(os.listdir(tmp_path / 'root'))}")
+    assert isinstance(lr, torch.Tensor) and lr.item() == opt.param_groups[0]["lr"].item()
+    fresh(torch.randn(4, 3)).sum().backward()
+    fresh_opt.step()
+
+
 def test_only_exact_containers(tmp_path, plain):
     """A namedtuple would come back a tuple, a defaultdict a dict (its factory lost): save() refuses each, naming
     its path and type, and writes nothing. An OrderedDict (at the top of the state and nested, holding a tensor)
