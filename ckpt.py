@@ -662,7 +662,10 @@ def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every ra
     damage = verify_files(ckpt_dir, manifest, sorted({*_share(manifest["files"]), ".metadata"}), verify)
     if damage:  # before .metadata is unpickled: every rank checks it
         raise CheckpointError(f"refusing to load a damaged checkpoint: {'; '.join(damage)}.{_instead(ckpt_dir)}")
-    metadata = read_metadata(ckpt_dir)
+    try:
+        metadata = read_metadata(ckpt_dir)
+    except CheckpointError as e:  # removed by another run's retention since: _instead() says so
+        raise CheckpointError(f"{e}.{_instead(ckpt_dir)}") from None
     types = [type(o).__name__ for o in optimizers]
     if optimizers and manifest["optimizers"] != types:
         raise CheckpointError(f"{ckpt_dir} was saved with optimizers {manifest['optimizers']}, not {types}: pass "
@@ -1085,8 +1088,9 @@ def _roll_back(root, step):
     fsync_dir(root)  # from here, load() never chooses a given-up step
     given_up = sorted((s, name) for name in os.listdir(root) if (s := _step_of(name)) is not None and s > step)
     for s, name in given_up:
-        os.rename(os.path.join(root, name), _unique(root, ABANDONED, s))
-        log.warning("moved aside %s as %s: given up by a rollback to step %d", name, ABANDONED, step)
+        aside = _unique(root, ABANDONED, s)
+        os.rename(os.path.join(root, name), aside)
+        log.warning("moved aside %s as %s: given up by a rollback to step %d", name, os.path.basename(aside), step)
     fsync_dir(root)
     for name in os.listdir(root):
         if name.startswith(ROLLBACK):

@@ -1,8 +1,9 @@
-"""Benchmark ckpt.py against plain DCP, the raw disk and the full-state-dict baseline (CPU, gloo).
+"""Benchmark ckpt.py against plain DCP, the raw disk and the full-state-dict baseline (CPU with gloo, or CUDA).
 
     python bench/bench.py                  # every phase, 5 rounds each
     python bench/bench.py --quick          # the big model's save and load only, 3 rounds
-    python bench/bench.py --work /data --repeat 7 --nproc 2 --dim 1024 --n-layers 8 --profile
+    python bench/bench.py --work /data --repeat 7 --nproc 2 --dim 1024 --n-layers 8 --seq-len 16 --profile
+    python bench/bench.py --device cuda --dim 2048 --n-layers 8 --work /nvme  # a rank per GPU (NCCL); 4.85 GB state
 
 Each phase is one torchrun launch of this file (--phase NAME) on a model sharded with FSDP2 after one AdamW step.
 Ours, plain DCP and the raw disk run side by side in rounds, each going first in turn; a ratio is the median of the
@@ -33,7 +34,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import default_collate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # ckpt.py and train_fsdp.py
@@ -41,7 +41,7 @@ import ckpt  # noqa: E402
 import train_fsdp  # noqa: E402
 
 GB, MB = 1e9, 1e6
-TINY_RANKS, TINY_DIM, TINY_LAYERS = 8, 64, 2
+TINY_RANKS, TINY = 8, ["--dim", "64", "--n-layers", "2"]  # the tiny model: train_fsdp's at this size
 MANY_LINEARS = 750  # the many-parameter model: this many nn.Linear(4, 4), 2 parameters each
 BLOCK = 64 << 20  # raw reads and writes go in 64 MiB calls
 SAVES, LOADS = ["ckpt save", "plain save", "raw write"], ["ckpt load", "plain load", "ckpt load verify=False"]
@@ -63,8 +63,7 @@ def plain_load(path, model, opt):
 
 def full_state_save(path, model, opt):
     """What users fall back to: the whole state gathered to rank 0's memory, one torch.save, fsync."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         with open(path, "wb") as f:
             torch.save({"model": model_sd, "optim": optim_sd}, f)
@@ -111,9 +110,7 @@ def status_kb(field):  # a field of /proc/self/status, in kB
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 def rss_around(fn):
-    """RSS before fn() and its peak while fn() runs (its threads too), in bytes. Relies on glibc's malloc_trim (memory
-    freed before goes back to the system: fn cannot reuse it unseen) and on Linux (>= 4.0) resetting the high-water
-    mark VmHWM to the current RSS when "5" is written to /proc/self/clear_refs."""
+    """RSS before fn() and its peak while it runs (threads too), in bytes; how, and what it relies on: README.md"""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     before = status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -123,30 +120,36 @@ def rss_around(fn):
 
 # ---- worker: one phase, in one torchrun launch ----
 
-def build(args, world):
+def clock():  # seconds, once the GPU work queued on the training stream is done (not a side stream's: a copy's)
+    if torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter()
+
+def build(args, world, device=torch.device("cpu"), seq_len=16):
     """The phase's model, FSDP2-sharded, after one AdamW step; and a function that takes another step."""
-    cpu = torch.device("cpu")
     if args.phase == "many":  # many small parameters: a save's and a load's cost per parameter
         torch.manual_seed(0)
-        model = fully_shard(nn.Sequential(*(nn.Linear(4, 4) for _ in range(MANY_LINEARS))))
+        model = fully_shard(nn.Sequential(*(nn.Linear(4, 4) for _ in range(MANY_LINEARS))).to(device))
 
         def loss(step):
-            return model(torch.randn(2, 4)).square().mean()
+            return model(torch.randn(2, 4, device=device)).square().mean()
     else:
-        targs = train_fsdp.get_args(["--dim", str(args.dim), "--n-layers", str(args.n_layers), "--seq-len", "16",
-                                     "--batch-size", str(world), "--dropout", "0"])
-        model = train_fsdp.build_model(targs, cpu)
+        targs = train_fsdp.get_args(["--dim", str(args.dim), "--n-layers", str(args.n_layers), "--seq-len",
+                                     str(seq_len), "--batch-size", str(world), "--dropout", "0"])
+        model = train_fsdp.build_model(targs, device)
         samples = train_fsdp.Samples(targs)
 
         def loss(step):
-            inputs, labels = default_collate([samples[step * world + dist.get_rank()]])  # one per rank
-            return F.cross_entropy(model(inputs).view(-1, targs.vocab_size), labels.reshape(-1))
+            inputs, labels = (t[None].to(device) for t in samples[step * world + dist.get_rank()])  # one per rank
+            return F.cross_entropy(model(inputs).float().view(-1, targs.vocab_size), labels.reshape(-1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def train_step(step):
+    def train_step(step):  # the seconds of opt.step() and its GPU work (after an async save it may wait for the copy)
         loss(step).backward()
+        t0 = clock()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)  # no GPU work
+        return clock() - t0
 
     train_step(0)
     return model, opt, train_step
@@ -155,17 +158,22 @@ def where(work, phase, name):  # a round's checkpoints: ckpt's root and plain DC
     return [os.path.join(work, f"{phase}-{side}-{name}") for side in ("ckpt", "plain")]
 
 def worker(args):
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(backend="gloo")  # the benchmark's own barriers
-    model, opt, train_step = build(args, world)
-    out = {"profile": {}}
+    model, opt, train_step = build(args, world, device, args.seq_len)
+    out = {"profile": {}, "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
 
-    def timed(fn):  # seconds of fn on this rank, every rank starting together
+    def timed(fn):  # seconds of fn on this rank and of its GPU work, every rank starting together
         dist.barrier(group=group)
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     def profiled(name, fn):  # one more, untimed run of fn under cProfile (--profile), kept as text
         dist.barrier(group=group)
@@ -214,7 +222,7 @@ def worker(args):
                     shutil.rmtree(path)
             one_round(ops(*claimed(i)), SAVES, i, before=os.sync)  # the last one's writeback done first
         last = where(args.work, args.phase, args.repeat - 1)
-        out.update(ckpt_bytes=bytes_under(last[0]), plain_bytes=bytes_under(last[1]))
+        out["ckpt_bytes"] = bytes_under(last[0])
         if args.phase == "big":  # the disk: each rank reads cold its share of ckpt's bytes
             cold([raw["file"]])
             out["raw read"] = [timed(lambda: raw_read(raw["file"]))]
@@ -225,20 +233,23 @@ def worker(args):
             profiled("ckpt.save", ops(*claimed("profile"))["ckpt save"])
             cold(files)
             profiled("ckpt.load", ops(*last)["ckpt load"])
-    elif args.phase == "async":  # sync, async (allocates the host buffers), async (reuses them), sync
-        for i, async_save in enumerate([False, True, True, False]):
-            train_step(i + 1)  # the parameters change between saves, as in training
-            root = claimed(i)[0]
-            dist.barrier(group=group)
+    elif args.phase == "async":  # 3 normal training steps; then saves, each with a step after: sync, async x3, sync
+        out["normal opt.step"] = [median(map(train_step, [1, 2, 3]))]
+        for i, async_save in enumerate([False, True, True, True, False]):
+            root, saved = claimed(i)[0], []
+            inside = timed(lambda: saved.append(ckpt.save(root, 1, model, opt, async_save=async_save)))
             t0 = time.perf_counter()
-            saved = ckpt.save(root, 1, model, opt, async_save=async_save)
-            out.setdefault("async blocked" if async_save else "sync save", []).append(time.perf_counter() - t0)
+            wait = max(0.0, train_step(i + 4) - out["normal opt.step"][0])  # what opt.step() took more, or 0
+            runs = {"sync save": inside}
             if async_save:
-                saved.wait()
-                out.setdefault("async committed", []).append(time.perf_counter() - t0)
-        full_file = os.path.join(args.work, "full.pt")
-        out["full state dict save"] = [timed(lambda: full_state_save(full_file, model, opt))]
-        out["full_bytes"] = os.path.getsize(full_file) if rank == 0 else 0  # rank 0 wrote it
+                saved[0].wait()
+                runs = {"async in save()": inside, "async opt.step() extra": wait, "async blocked": inside + wait,
+                        "async committed": inside + time.perf_counter() - t0}  # committed: a training step included
+            for key, seconds in runs.items():
+                out.setdefault(key, []).append(seconds)
+            if rank == 0:  # untimed: one of these saves on the disk at a time
+                shutil.rmtree(root)
+        out["full state dict save"] = [timed(lambda: full_state_save(os.path.join(args.work, "full.pt"), model, opt))]
     else:  # one operation (--op) in a process of its own: its peak memory; loads read the big phase's last saves
         fresh, big = claimed(0), where(args.work, "big", args.repeat - 1)  # claimed(): ckpt's group made, untimed
         out["rss"] = rss_around(ops(*(fresh if "save" in args.op else big))[args.op])
@@ -250,11 +261,9 @@ def worker(args):
 # ---- driver: launch the phases, print one table ----
 
 def launch(args, phase, nproc, *flags):
-    """One torchrun launch of a phase, killed with its workers after --timeout; returns each rank's results."""
+    """One torchrun launch of a phase, this run's flags then the phase's (the last wins), killed after --timeout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.abspath(__file__), "--phase", phase, "--work", args.work, "--repeat", str(args.repeat),
-           "--dim", str(args.dim), "--n-layers", str(args.n_layers), "--timeout", str(args.timeout), *flags]
-    cmd += ["--profile"] if args.profile else []  # a flag given twice: the last counts
+           os.path.abspath(__file__), *sys.argv[1:], "--work", args.work, "--phase", phase, *flags]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, os.cpu_count() // nproc)))
     args.loadavg[phase] = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -284,10 +293,9 @@ def header(args):
     df = subprocess.run(["df", "-hT", args.work], capture_output=True, text=True, timeout=60).stdout.split()
     disk = f"{df[-7]} ({df[-6]}, {df[-5]}, {df[-3]} free)" if len(df) >= 7 else "unknown"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {os.cpu_count()} CPUs ({cpu}), {memory:.0f} GiB, torch "
             f"{torch.__version__}, CUDA {'yes' if torch.cuda.is_available() else 'no'}; load average (1/5/15 min) "
-            f"{load}; work dir {args.work} on {disk}")
+            f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}; work dir {args.work} on {disk}")
 
 def report(args, r):
     rows = []  # (measure, ours, reference, ratio, "<=" or ">=", floor)
@@ -298,18 +306,22 @@ def report(args, r):
         rows.append((name, f"{median(ours_s):.3f} s", f"{median(ref_s):.3f} s", median(ratios),
                      "<=" if by_time else ">=", floor))
 
-    size = r["big"][0]["ckpt_bytes"]
-    pair_row(f"save {size / GB:.2f} GB, throughput: ckpt.save vs plain dcp.save", "big", *SAVES[:2], 0.85)
+    size, cuda = r["big"][0]["ckpt_bytes"], args.device == "cuda"
+    save_floor, load_floor = (1 / 1.1, 1 / 1.1) if cuda else (0.85, 0.7)  # CUDA: within 1.1x plain DCP's time
+    pair_row(f"save {size / GB:.2f} GB, throughput: ckpt.save vs plain dcp.save", "big", *SAVES[:2], save_floor)
     pair_row("save, time: ckpt.save vs the raw fsynced write of its bytes", "big", SAVES[0], SAVES[2], 1.1, True)
-    pair_row("load, cold cache, throughput: ckpt.load vs plain dcp.load", "big", *LOADS[:2], 0.7)
+    pair_row("load, cold cache, throughput: ckpt.load vs plain dcp.load", "big", *LOADS[:2], load_floor)
     pair_row("load(verify=False), cold cache: vs plain dcp.load", "big", LOADS[2], LOADS[1], 0.95)
-    if "async" in r:
-        sync = median(slowest(r["async"], "sync save"))
-        blocked = slowest(r["async"], "async blocked")
-        rows.append(("async save #2, caller blocked: vs a sync ckpt.save", f"{blocked[1]:.3f} s", f"{sync:.3f} s",
-                     blocked[1] / sync, "<=", 0.10))  # #1 allocates the host buffers, #2 reuses them
+    if "async" in r:  # each async save on the rank it blocked longest; #1 may allocate host buffers, #2 and #3 not
+        budget, floor = (50.0, 1.0) if cuda else (median(slowest(r["async"], "sync save")) * 1e3, 0.03)
+        for i in range(len(r["async"][0]["async blocked"])):
+            rank = max(r["async"], key=lambda result: result["async blocked"][i])
+            ms, inside, wait = (rank[f"async {key}"][i] * 1e3 for key in ("blocked", "in save()", "opt.step() extra"))
+            rows.append((f"async save #{i + 1}, training blocked: save() + the next opt.step()'s extra, vs "
+                         + ("a budget" if cuda else "a sync ckpt.save"), f"{ms:.1f} ms ({inside:.1f} + {wait:.1f})",
+                         f"{budget:.1f} ms", ms / budget, "<=", floor))
         for phase, model in (("many", f"{2 * MANY_LINEARS} parameters ({MANY_LINEARS} Linear(4, 4)), {args.nproc}"),
-                             ("tiny", f"tiny model (dim {TINY_DIM}, {TINY_LAYERS} layers), {TINY_RANKS}")):
+                             ("tiny", f"tiny model ({' '.join(TINY)}), {args.tiny_ranks}")):
             pair_row(f"{model} ranks, time: ckpt.save vs plain dcp.save", phase, *SAVES[:2], 1.3, True)
             pair_row(f"{model} ranks, time: ckpt.load vs plain dcp.load", phase, *LOADS[:2], 1.3, True)
         grew = {op: max(top - before for before, top in (rank["rss"] for rank in r[f"rss {op}"])) for op in MEMORY_OPS}
@@ -323,26 +335,9 @@ def report(args, r):
              f"{args.repeat}) | ours | reference | ratio | floor | |", "|---|---|---|---|---|---|"]
     missed = [name for name, _, _, ratio, sense, floor in rows if (ratio < floor if sense == ">=" else ratio > floor)]
     for name, ours, ref, ratio, sense, floor in rows:
-        lines.append(f"| {name} | {ours} | {ref} | {ratio:.3f} | {sense} {floor} | "
+        lines.append(f"| {name} | {ours} | {ref} | {ratio:.3f} | {sense} {floor:.3g} | "
                      f"{'MISS' if name in missed else 'PASS'} ({ratio - floor:+.3f}) |")
-
-    def rate(key, nbytes, phase="big"):  # seconds (GB/s), the median run
-        seconds = median(slowest(r[phase], key))
-        return f"{seconds:.2f} s ({nbytes / GB / seconds:.2f} GB/s)"
-
-    plain = r["big"][0]["plain_bytes"]
-    full = rate("full state dict save", r["async"][0]["full_bytes"], "async") if "async" in r else "n/a (--quick)"
-    lines += ["", f"| {size / GB:.2f} GB, {args.nproc} ranks | ckpt.py | plain DCP | the disk (each rank its share) "
-              "| full state dict (rank 0, torch.save) |", "|---|---|---|---|---|",
-              f"| save (+ fsync) | {rate('ckpt save', size)} | {rate('plain save', plain)} | "
-              f"{rate('raw write', size)} | {full} |",
-              f"| load, cold cache | {rate('ckpt load', size)} | {rate('plain load', plain)} | "
-              f"{rate('raw read', size)} | |"]
-    if "async" in r:
-        committed = slowest(r["async"], "async committed")
-        lines.append(f"| async save #1 / #2: blocked; until committed | {blocked[0]:.2f} s / {blocked[1]:.2f} s; "
-                     f"{committed[0]:.2f} s / {committed[1]:.2f} s | | | |")
-    lines += ["", "Every run, seconds (slowest rank), in the order measured:"]
+    lines += ["", f"Every run, seconds (slowest rank), in the order measured; ranks on {r['big'][0]['device']}:"]
     for phase, results in r.items():
         for key in [k for k, v in results[0].items() if isinstance(v, list) and k not in ("cached", "rss")]:
             lines.append(f"- {phase} / {key}: " + " ".join(f"{s:.3f}" for s in slowest(results, key)))
@@ -366,9 +361,11 @@ def main():
     p.add_argument("--quick", action="store_true", help="the big model's save and load only, 3 rounds unless --repeat")
     p.add_argument("--repeat", type=int, help="rounds, each operation once per round (default 5, quick 3)")
     p.add_argument("--work", default=tempfile.gettempdir(), help="a scratch directory is made (and removed) here")
-    p.add_argument("--nproc", type=int, default=2, help="ranks, but for the tiny model's 8")
-    p.add_argument("--dim", type=int, default=1024, help="hidden size (1024 and 8 layers: ~0.6 GB of state per rank)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: a rank per GPU, NCCL")
+    p.add_argument("--nproc", type=int, help="ranks, but for the tiny model's 8 (default: 2 on CPU, every GPU)")
+    p.add_argument("--dim", type=int, default=1024, help="hidden size (1024 and 8 layers: 1.22 GB of state in all)")
     p.add_argument("--n-layers", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=16, help="tokens per rank in a training step (its compute)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds for each phase's launch")
     p.add_argument("--profile", action="store_true", help="also profile one ckpt.save and one ckpt.load (rank 0)")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # set by launch(): run as a worker
@@ -377,6 +374,10 @@ def main():
     args.repeat = args.repeat or (3 if args.quick else 5)
     if args.phase:
         return worker(args)
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0  # one rank per GPU
+    if args.device == "cuda" and not 0 < (args.nproc or gpus) <= gpus:
+        raise SystemExit(f"bench.py --device cuda: a rank per GPU, and torch {torch.__version__} sees {gpus} GPU(s)")
+    args.nproc, args.tiny_ranks = args.nproc or gpus or 2, min(TINY_RANKS, gpus or TINY_RANKS)
     args.loadavg, start = {}, header(args)
     args.work = tempfile.mkdtemp(prefix="bench-", dir=args.work)  # only this is removed afterwards
     results = {}
@@ -385,7 +386,7 @@ def main():
         if not args.quick:
             results["async"] = launch(args, "async", args.nproc)
             results["many"] = launch(args, "many", args.nproc)
-            results["tiny"] = launch(args, "tiny", TINY_RANKS, "--dim", str(TINY_DIM), "--n-layers", str(TINY_LAYERS))
+            results["tiny"] = launch(args, "tiny", args.tiny_ranks, *TINY)
             for op in MEMORY_OPS:
                 results[f"rss {op}"] = launch(args, "rss-" + op.replace(" ", "-"), args.nproc, "--op", op)
     finally:

@@ -5,6 +5,7 @@
     exact_job.py hold OUT --root R [--no-fork-hook]                                           (item 7)
     exact_job.py claim OUT --root R                                                           (item 7)
     exact_job.py scenarios OUT WORK [--only NAME ...]                                         (items 8, 9, 10)
+    exact_job.py rollback-crash OUT --root R; exact_job.py rollback-next OUT --root R         (a rollback killed)
 
 train: a user's loop (a small FSDP2 model with dropout, AdamW, a step counter as an extra) that saves every
 --save-every steps (meta {"save": "periodic"}) and, at its last step, saves that step again (meta {"save":
@@ -16,6 +17,11 @@ Rank 0 logs each step to OUT/log.jsonl (loss, full weights' hash) and writes OUT
 hold: claims R (check_root), rank 0 forks a helper child that lives until OUT/release (at most 90 s), writes
 OUT/ready.json, then every rank sleeps until the test SIGKILLs it. --no-fork-hook: os.register_at_fork is a
 no-op before the claim (the control). claim: a new run's check_root of R, timed, into OUT/claim.json.
+
+rollback-crash: saves steps 1-3, closes; resumes step 1 into a new model (its save of step 2 refused), then
+check_root(rollback_to=1) with rank 0 SIGKILLing every rank right after the first rename to .abandoned- (OUT/
+fired.json: the root then). rollback-next: the next run, load(root) with the optimizer, its claim, a save of
+step 2, a reload; OUT/run.json.
 
 scenarios: one scenario after another on the same ranks (as tests/failpath_job.py, whose patched(),
 expect_failure() and recover() these are), each in its own root; OUT/results.<rank>.json holds every
@@ -265,6 +271,87 @@ def claim(a):
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------- a rollback killed mid-way
+
+
+def rollback_crash(a):
+    """Run 1 saves steps 1, 2, 3 and ends (close()). Run 2 (the same ranks) resumes step 1 (load() of
+    step-00000001 with the optimizer): its save of step 2 is refused (step 3 would stay the newest), then
+    check_root(rollback_to=1), and rank 0 SIGKILLs every rank right after the first rename to .abandoned- (the
+    marker written, one later step moved, the other not)."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = {"pids": pids, "saved": {}}
+    for s in (1, 2, 3):
+        step(model, opt)
+        ckpt.save(a.root, s, model, opt, timeout=TIMEOUT)
+        run["saved"][s] = weights(model)
+    ckpt.close()  # run 1 ends
+    model = build(seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run["loaded"] = ckpt.load(ckpt.step_dir(a.root, 1), model, opt, timeout=TIMEOUT)
+    run["loaded_weights"] = weights(model)
+    step(model, opt)
+    run["unsaid"] = expect_failure(lambda: ckpt.save(a.root, 2, model, opt, timeout=TIMEOUT))
+    run["after_unsaid"] = listing(a.root)
+    if rank() == 0:
+        write_json(os.path.join(a.out, "run.json"), run)
+        real_rename = os.rename
+
+        def rename(src, dst):  # ckpt calls os.rename: the os module's, patched here
+            real_rename(src, dst)
+            if os.path.basename(os.fspath(dst)).startswith(ckpt.ABANDONED):
+                root = os.path.dirname(os.fspath(dst))
+                write_json(os.path.join(a.out, "fired.json"), {"moved": [os.path.basename(os.fspath(src)),
+                                                                          os.path.basename(os.fspath(dst))],
+                                                               "listing": listing(root)})
+                sys.stdout.flush(), sys.stderr.flush()
+                for pid in pids[1:]:
+                    os.kill(pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        os.rename = rename
+    barrier()
+    ckpt.check_root(a.root, model, rollback_to=1, timeout=TIMEOUT)
+    run["check_root_returned"] = True  # never, if the kill fired
+    if rank() == 0:
+        write_json(os.path.join(a.out, "run.json"), run)
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def rollback_next(a):
+    """The next run after the killed rollback: load(root) with the optimizer (before any claim), then its claim
+    (check_root(), no rollback_to) finishes the moves; then it trains, saves step 2, and a fresh model loads it."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    LOG.lines.clear()
+    logging.getLogger("ckpt").addHandler(LOG)
+    model = build(seed=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = {"chosen": os.path.basename(ckpt.find_checkpoint(a.root) or "")}
+    run["loaded"] = ckpt.load(a.root, model, opt, timeout=TIMEOUT)
+    run["loaded_weights"] = weights(model)
+    run["before_claim"] = listing(a.root)
+    run["claim"] = expect_failure(lambda: ckpt.check_root(a.root, model, timeout=TIMEOUT))
+    run["moved"] = [ln for ln in LOG.lines if "moved aside" in ln]
+    run["after_claim"] = listing(a.root)
+    step(model, opt)
+    run["save2"] = expect_failure(lambda: run.update(path2=os.path.basename(ckpt.save(a.root, 2, model, opt,
+                                                                                      timeout=TIMEOUT))))
+    run["saved2"] = weights(model)
+    fresh = build(seed=3)
+    run["reload"] = ckpt.load(a.root, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), timeout=TIMEOUT)
+    run["reload_weights"] = weights(fresh)
+    run["committed"], run["end"] = ckpt.committed_steps(a.root), listing(a.root)
+    if rank() == 0:
+        write_json(os.path.join(a.out, "run.json"), run)
+    ckpt.close()
+    dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------------ 8-10. scenarios
 
 
@@ -479,8 +566,9 @@ def scen_write_error_async(root):  # in the background thread that writes and co
 
 def scen_resave_rename_fails(root):
     """6. A re-save of step 2 whose second rename (.tmp- to step-N) fails on rank 0 (EIO), in a run that goes on:
-    the old copy is left as .replaced-step-2-*, which find_checkpoint() takes for step 2. Then, in one root, a
-    rollback to step 1 and a save of step 2 on the new branch; in another, a save of step 3 with keep=1."""
+    the old copy is renamed back to step-2 (were that rename to fail too, find_checkpoint() would take its
+    .replaced-step-2-* for step 2). Then, in one root, a resume of step 1 and a save of step 2 (an equal step,
+    replaced); in another, a save of step 3 with keep=1."""
     real = os.rename
 
     def failing(src, dst):
@@ -551,7 +639,7 @@ def scenarios(a):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["train", "hold", "claim", "scenarios"])
+    p.add_argument("mode", choices=["train", "hold", "claim", "scenarios", "rollback-crash", "rollback-next"])
     p.add_argument("out")
     p.add_argument("work", nargs="?")
     p.add_argument("--root")
@@ -568,7 +656,8 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '-')}] %(message)s")
-    {"train": train, "hold": hold, "claim": claim, "scenarios": scenarios}[a.mode](a)
+    {"train": train, "hold": hold, "claim": claim, "scenarios": scenarios, "rollback-crash": rollback_crash,
+     "rollback-next": rollback_next}[a.mode](a)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ recorded as hung and the job exits at once: the test then fails naming it, inste
 
 import argparse
 import datetime
+import errno
 import faulthandler
 import gc
 import hashlib
@@ -181,8 +182,9 @@ def copy_steps(src, dst, steps):
 
 
 def rollback(root, keep, new_run):
-    """Save 1..4, load the step-2 dir explicitly, train differently, save 3 and 4 with `keep`; load(root) into a
-    fresh model in between; at the end, load each moved-aside step by its path."""
+    """Save 1..4, load the step-2 dir explicitly, train differently; a save of step 3 is refused (step 4 would stay
+    the newest commit) until check_root(rollback_to=2) gives up steps 3 and 4; then save 3 and 4 with `keep`;
+    load(root) into a fresh model in between; at the end, load each moved-aside step by its path."""
     model, opt = make()
     saved_weights = {}
     for s in range(1, 5):
@@ -197,6 +199,15 @@ def rollback(root, keep, new_run):
     branch = weights(model)
     out = {"loaded": got, "branch_weights": branch, "old_weights": saved_weights}
     LOG.take()
+    # Not said: refused, and nothing is touched.
+    out["unsaid"] = expect_failure(lambda: ckpt.save(root, 3, model, opt, keep=keep, timeout=HOUR))
+    out["after_unsaid"] = listing(root)
+    out["moved_at_unsaid"] = LOG.take("moved aside")
+    # Said: the later steps are moved aside by check_root(), before any save.
+    out["check_root"] = expect_failure(lambda: ckpt.check_root(root, model, rollback_to=2, timeout=HOUR))
+    out["moved_at_check_root"] = LOG.take("moved aside")
+    out["after_check_root"] = listing(root)
+    out["found_after_check_root"] = os.path.basename(ckpt.find_checkpoint(root) or "")
     out["save3"] = expect_failure(lambda: out.update(saved=os.path.basename(ckpt.save(root, 3, model, opt, keep=keep,
                                                                                       timeout=HOUR))))
     out["moved_at_save3"] = LOG.take("moved aside")
@@ -232,8 +243,8 @@ def scen_rollback_new_run(root):
 
 
 def scen_same_or_older_step(root):
-    """save() of the step this run last committed (or loaded) replaces it with the state given now; an older one
-    is refused."""
+    """save() of the step this run last committed replaces it with the state given now; an older one is refused,
+    after a load of that older step too, until check_root(rollback_to=) says so."""
     model, opt = make()
     for s in (1, 2):
         train(model, opt, s)
@@ -241,10 +252,13 @@ def scen_same_or_older_step(root):
     train(model, opt, 3)  # another step, the step counter not advanced
     step2 = ckpt.step_dir(root, 2)
 
-    def held_weights():  # what step-00000002 holds, read into a fresh model
+    def held_weights_of(path):  # what a step holds, read into a fresh model
         fresh, _ = make(seed=7)
-        ckpt.load(step2, fresh, None, timeout=HOUR)
+        ckpt.load(path, fresh, None, timeout=HOUR)
         return weights(fresh)
+
+    def held_weights():
+        return held_weights_of(step2)
 
     out = {}
     out["again"] = expect_failure(lambda: out.update(again_path=ckpt.save(root, 2, model, opt, timeout=HOUR)))
@@ -259,12 +273,17 @@ def scen_same_or_older_step(root):
     out["async_holds_live"] = held_weights() == weights(model)
     out["older"] = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR))
     out["listing"] = listing(root)
-    # After a load of step 1 (a rollback), save(1) replaces step 1 and moves step 2 aside.
+    # A load of step 1 is no rollback by itself: save(1) is refused as before. Said (check_root(rollback_to=1)),
+    # step 2 is moved aside and save(1) replaces step 1.
     fresh, fresh_opt = make(seed=3)
     out["loaded"] = ckpt.load(ckpt.step_dir(root, 1), fresh, fresh_opt, timeout=HOUR)
     train(fresh, fresh_opt, 5)
+    out["after_load_unsaid"] = expect_failure(lambda: ckpt.save(root, 1, fresh, fresh_opt, timeout=HOUR))
+    out["listing_unsaid"] = listing(root)
+    out["rollback"] = expect_failure(lambda: ckpt.check_root(root, fresh, rollback_to=1, timeout=HOUR))
     out["after_load"] = expect_failure(lambda: out.update(after_load_path=ckpt.save(root, 1, fresh, fresh_opt,
                                                                                     timeout=HOUR)))
+    out["after_load_holds_live"] = held_weights_of(ckpt.step_dir(root, 1)) == weights(fresh)
     out["listing_end"] = listing(root)
     out["root"] = root
     return out
@@ -286,6 +305,134 @@ def scen_find_ignores_abandoned(root):
             "load_root": ckpt.load(root, fresh, fresh_opt, timeout=HOUR),
             "load_explicit": ckpt.load(os.path.join(root, ".abandoned-step-00000002-0123abcd"), fresh, fresh_opt,
                                        timeout=HOUR)}
+
+
+# ------------------------------------------------------------- 1b. the explicit rules: resumes, roots, locks
+
+
+def optim_entries(ckpt_dir):
+    """The optimizer state entries a checkpoint holds: its keys optim.0.state.<fqn>.<name>, from .metadata."""
+    return sorted(k for k in ckpt.read_metadata(ckpt_dir).state_dict_metadata if k.startswith("optim.0.state."))
+
+
+def scen_weights_only_save(root):
+    """A run saves step 100 with its AdamW state and ends (close()). The next run loads the weights alone into its
+    model (an initialisation), makes a fresh optimizer and saves step 100: refused (check_root() too), and step
+    100 keeps its optimizer state. The control: the same model then resumed (load() with the optimizer) saves
+    step 100 again, which replaces it, the state kept."""
+    model, opt = make()
+    for s in (1, 2):
+        train(model, opt, s)
+    ckpt.save(root, 100, model, opt, timeout=HOUR)
+    saved = weights(model)
+    ckpt.close()  # the run ends; what follows is the next one
+    step100 = ckpt.step_dir(root, 100)
+
+    def held():
+        with open(os.path.join(step100, ckpt.MANIFEST), "rb") as f:
+            manifest = hashlib.sha256(f.read()).hexdigest()[:16]
+        return {"entries": optim_entries(step100), "inode": os.stat(step100).st_ino, "manifest": manifest}
+
+    out = {"before": held()}
+    model, fresh_opt = make(seed=3)
+    out["loaded"] = ckpt.load(root, model, timeout=HOUR)  # no optimizer: the weights alone
+    out["weights_equal"] = weights(model) == saved
+    out["fresh_opt_state"] = len(fresh_opt.state)
+    out["save"] = expect_failure(lambda: ckpt.save(root, 100, model, fresh_opt, timeout=HOUR))
+    out["check_root"] = expect_failure(lambda: ckpt.check_root(root, model, timeout=HOUR))
+    out["after"] = held()
+    out["listing"] = listing(root)
+    out["resumed"] = ckpt.load(root, model, fresh_opt, timeout=HOUR)
+    out["resave"] = expect_failure(lambda: ckpt.save(root, 100, model, fresh_opt, timeout=HOUR))
+    out["after_resave"] = held()
+    return out
+
+
+def scen_two_roots(root):
+    """One model saves alternately to roots A and B (steps 1 and 3 to A, 2 and 4 to B); the run ends (close()).
+    The next run loads the newer of the two (B, step 4) with its optimizer; check_root() of both roots, and saves
+    to both at later steps (5 to A, 6 to B), succeed; each root then loads back what was saved there."""
+    roots = {"A": root + "-A", "B": root + "-B"}
+    model, opt = make()
+    saved = {}
+    for s in (1, 2, 3, 4):
+        train(model, opt, s)
+        ckpt.save(roots["A" if s % 2 else "B"], s, model, opt, timeout=HOUR)
+        saved[s] = weights(model)
+    ckpt.close()  # the run is stopped; the next one resumes
+    newest = {name: ckpt.committed_steps(r)[-1] for name, r in roots.items()}
+    newer = max(newest, key=newest.get)
+    model, opt = make(seed=4)
+    out = {"newest": newest, "newer": newer}
+    out["loaded"] = ckpt.load(roots[newer], model, opt, timeout=HOUR)
+    out["weights_equal"] = weights(model) == saved[4]
+    for name, r in roots.items():
+        out[f"check_root_{name}"] = expect_failure(lambda: ckpt.check_root(r, model, timeout=HOUR))
+    for name, s in (("A", 5), ("B", 6)):
+        train(model, opt, s)
+        out[f"save_{name}"] = expect_failure(lambda: out.update({f"path_{name}": os.path.basename(
+            ckpt.save(roots[name], s, model, opt, timeout=HOUR))}))
+        saved[s] = weights(model)
+    for name, s in (("A", 5), ("B", 6)):
+        fresh, fresh_opt = make(seed=10 + s)
+        out[f"load_{name}"] = ckpt.load(roots[name], fresh, fresh_opt, timeout=HOUR)
+        out[f"load_{name}_weights_equal"] = weights(fresh) == saved[s]
+        out[f"committed_{name}"] = ckpt.committed_steps(roots[name])
+        out[f"listing_{name}"] = listing(roots[name])
+    return out
+
+
+def scen_no_flock(root):
+    """A file system whose flock() fails with ENOSYS (Lustre mounted without -o flock), on rank 0, which claims: the
+    first save is refused (check_root() too), naming the mount options and the opt-out; check_root(lock=False)
+    claims the root without a lock (no flock() call), and saves and loads work. A second root, made beforehand,
+    claimed with lock=False first; the same run's check_root() of it again (lock left at its default). A third root
+    that does not exist yet, claimed with lock=False."""
+    calls = []
+
+    def no_flock(fd, operation):
+        calls.append(operation)
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    made, new = root + "-made", root + "-new"
+    if RANK == 0:
+        os.makedirs(made)
+    dist.barrier()
+    owner = os.path.join(root, ckpt.OWNER)
+    model, opt = make()
+    train(model, opt, 1)
+    out = {}
+    with patched("fcntl.flock", 0, no_flock):
+        out["save"] = expect_failure(lambda: ckpt.save(root, 1, model, opt, timeout=HOUR))
+        out["check_root"] = expect_failure(lambda: ckpt.check_root(root, model, timeout=HOUR))
+        out["after_refusal"] = listing(root)
+        out["flock_calls_refused"] = len(calls)
+        out["opt_out"] = expect_failure(lambda: ckpt.check_root(root, model, lock=False, timeout=HOUR))
+        out["claim"] = repr(ckpt._locks.get(os.path.realpath(root), "absent"))  # rank 0's: the record, unlocked
+        out["save1"] = expect_failure(lambda: out.update(path1=os.path.basename(ckpt.save(root, 1, model, opt,
+                                                                                          timeout=HOUR))))
+        train(model, opt, 2)
+        out["save2"] = expect_failure(lambda: out.update(path2=os.path.basename(ckpt.save(root, 2, model, opt, keep=1,
+                                                                                          timeout=HOUR))))
+        saved = weights(model)
+        fresh, fresh_opt = make(seed=3)
+        out["load"] = expect_failure(lambda: out.update(loaded=ckpt.load(root, fresh, fresh_opt, timeout=HOUR)))
+        out["weights_equal"] = weights(fresh) == saved
+        out["made_check_root"] = expect_failure(lambda: ckpt.check_root(made, model, lock=False, timeout=HOUR))
+        out["made_save"] = expect_failure(lambda: ckpt.save(made, 2, model, opt, timeout=HOUR))
+        out["made_claim"] = repr(ckpt._locks.get(os.path.realpath(made), "absent"))
+        out["flock_calls"] = len(calls)
+        out["made_listing"] = listing(made)
+        out["made_check_root_again"] = expect_failure(lambda: ckpt.check_root(made, model, timeout=HOUR))
+        out["new_check_root"] = expect_failure(lambda: ckpt.check_root(new, model, lock=False, timeout=HOUR))
+        out["new_save"] = expect_failure(lambda: ckpt.save(new, 2, model, opt, timeout=HOUR))
+        out["new_listing"] = listing(new)
+    out["listing"] = listing(root)
+    out["owner_bytes"] = os.path.getsize(owner) if os.path.exists(owner) else None
+    dist.barrier()
+    out["lock_free"] = harness.lock_is_free(root) if RANK == 0 else None  # one prober
+    dist.barrier()
+    return out
 
 
 # ------------------------------------------------------------------------------------------ 2. one run per root
@@ -408,8 +555,8 @@ def scen_foreign_live_claim(root):
 
 def scen_training_claims(root):
     """Training claims: load() of another run's checkpoints takes no claim, the save after it does, and
-    check_root() keeps it; a run that loaded nothing from a root holding checkpoints is refused, and nothing there
-    is touched."""
+    check_root() keeps it; a model that loaded nothing from a root holding checkpoints, or its weights alone, is
+    refused, and nothing there is touched."""
     src = root + "-src"
     model, opt = make()
     for s in (1, 2):
@@ -429,9 +576,16 @@ def scen_training_claims(root):
     out["owner_after_check_root"] = owner_file(root)
     out["listing"] = listing(root)
     out["my_pid"], out["host"] = PID0, HOST
-    # A run that loaded nothing from a root holding another run's steps: a forgotten resume, refused.
-    out["fresh_check_root"] = expect_failure(lambda: ckpt.check_root(fresh_root, model, timeout=HOUR))
-    out["fresh_save"] = expect_failure(lambda: ckpt.save(fresh_root, 1, model, opt, timeout=HOUR))
+    # A model that loaded nothing (a forgotten resume), or the weights alone (an initialisation), on a root holding
+    # another run's steps: refused. (The model above was resumed: it may claim other roots too.)
+    never, never_opt = make(seed=8)
+    out["fresh_check_root"] = expect_failure(lambda: ckpt.check_root(fresh_root, never, timeout=HOUR))
+    out["fresh_save"] = expect_failure(lambda: ckpt.save(fresh_root, 3, never, never_opt, timeout=HOUR))
+    initialised, initialised_opt = make(seed=9)
+    out["weights_only_loaded"] = ckpt.load(fresh_root, initialised, None, timeout=HOUR)
+    out["weights_only_check_root"] = expect_failure(lambda: ckpt.check_root(fresh_root, initialised, timeout=HOUR))
+    out["weights_only_save"] = expect_failure(lambda: ckpt.save(fresh_root, 3, initialised, initialised_opt,
+                                                                timeout=HOUR))
     out["fresh_listing"] = listing(fresh_root)
     out["fresh_lock_free"] = harness.lock_is_free(fresh_root) if RANK == 0 else None  # one prober: ranks would race
     return out
@@ -500,8 +654,9 @@ def advance(root):
     shutil.copytree(ckpt.step_dir(root, n), tmp)
     with open(os.path.join(tmp, ckpt.MANIFEST)) as f:
         manifest = json.load(f)
+    manifest = dict(manifest, step=n + 1)  # a manifest names its step and carries its own CRC (format 6)
     with open(os.path.join(tmp, ckpt.MANIFEST), "w") as f:
-        json.dump(dict(manifest, step=n + 1), f)
+        json.dump(dict(manifest, crc32=ckpt._manifest_crc(manifest)), f)
     os.rename(tmp, ckpt.step_dir(root, n + 1))
     trash = os.path.join(root, f"{ckpt.TMP}delete-step-{n:08d}-c0ffee00")
     os.rename(ckpt.step_dir(root, n), trash)
@@ -523,12 +678,19 @@ def scen_vanished_while_loading(root):
         real, marker = getattr(ckpt, name), os.path.join(root + "-signals", name)
 
         def removed_first(*a, _real=real, _where=where, _marker=marker, **k):
-            if RANK == 0:  # the writer's commit and retention happen now
+            # Every rank is here (none still in an earlier step of load(), where the removal would be seen
+            # otherwise); then rank 0 is the writer, whose commit and retention happen now; the other ranks look
+            # once the step is gone (else they may race the deletion, file by file).
+            os.makedirs(os.path.dirname(_marker), exist_ok=True)
+            open(f"{_marker}.arrived.{RANK}", "w").close()
+            deadline = time.monotonic() + 20
+            if RANK == 0:
+                while (not all(os.path.exists(f"{_marker}.arrived.{r}") for r in range(dist.get_world_size()))
+                       and time.monotonic() < deadline):
+                    time.sleep(0.01)
                 out[f"advanced {_where}"] = advance(root)
-                os.makedirs(os.path.dirname(_marker), exist_ok=True)
                 open(_marker, "w").close()
-            else:  # the other ranks look once it is gone (else they may race the deletion, file by file)
-                deadline = time.monotonic() + 20
+            else:
                 while not os.path.exists(_marker) and time.monotonic() < deadline:
                     time.sleep(0.01)
             return _real(*a, **k)
@@ -630,16 +792,24 @@ def scen_load_user_load_state_dict(root):
     return injected(root, 0, "the user's load_state_dict()", kind="load", box_fail="load_state_dict")
 
 
+class NoHostMemory(dict):
+    """ckpt._buffers on the failing rank: a host buffer cannot be made (pinned or host memory exhausted)."""
+
+    def __setitem__(self, key, value):
+        raise RuntimeError("out of host memory while copying to host (injected)")
+
+
 def scen_save_stage_async(root):
-    """async_save=True and staging (the copy to host memory) fails on rank 1, e.g. out of host memory: rank 0
-    has staged. Then an async save, a save and a load on the same ranks."""
+    """async_save=True and the copy to host memory (HostCopy, in its thread) fails on rank 1, e.g. out of host
+    memory: rank 0 has copied. Then an async save, a save and a load on the same ranks."""
     model, opt = make()
     train(model, opt, 1)
     ckpt.save(root, 1, model, opt, timeout=HOUR)
     train(model, opt, 2)
-    with patched("DefaultStager.stage", 1, raiser(RuntimeError("out of host memory while staging (injected)"))):
+    with patched("_buffers", 1, NoHostMemory()):
         r = expect_failure(lambda: ckpt.save(root, 2, model, opt, async_save=True, timeout=HOUR).wait())
-    out = {"fail_rank": 1, "where": "staging", **r, "committed_after_failure": ckpt.committed_steps(root)}
+    out = {"fail_rank": 1, "where": "the copy to host memory", **r,
+           "committed_after_failure": ckpt.committed_steps(root)}
     train(model, opt, 3)
     out["async_after"] = expect_failure(lambda: ckpt.save(root, 3, model, opt, async_save=True, timeout=HOUR).wait())
     return {**out, **recover(root, model, opt, None, 4, load_too=True), "committed": ckpt.committed_steps(root),
@@ -695,7 +865,7 @@ def scen_args_load_verify(root):
 
 def scen_big_step(root):
     """Steps of any size: 10**8 is step-100000000 and 10**9 step-1000000000, ordered by number (by name,
-    "step-1000000000" < "step-100000001")."""
+    "step-1000000000" < "step-100000001"): the newest, what a save below it is refused for, what a rollback moves."""
     model, opt = make()
     train(model, opt, 1)
     out = {"save": os.path.basename(ckpt.save(root, 10**8, model, opt, timeout=HOUR))}
@@ -713,9 +883,12 @@ def scen_big_step(root):
     out["found"] = os.path.basename(ckpt.find_checkpoint(root))
     fresh, fresh_opt = make(seed=5)
     out["load_newest"] = ckpt.load(root, fresh, fresh_opt, timeout=HOUR)
-    # A rollback from 10**9 to 10**8 + 1: the next save moves step-1000000000 aside, by number.
+    # A rollback from 10**9 to 10**8 + 1: a save of 10**8 + 2 is refused (10**9 is later, by number) until
+    # check_root(rollback_to=10**8 + 1) moves step-1000000000 aside.
     out["load_explicit"] = ckpt.load(os.path.join(root, "step-100000001"), fresh, fresh_opt, timeout=HOUR)
     train(fresh, fresh_opt, 4)
+    out["unsaid"] = expect_failure(lambda: ckpt.save(root, 10**8 + 2, fresh, fresh_opt, timeout=HOUR))
+    out["rollback"] = expect_failure(lambda: ckpt.check_root(root, fresh, rollback_to=10**8 + 1, timeout=HOUR))
     out["save4"] = os.path.basename(ckpt.save(root, 10**8 + 2, fresh, fresh_opt, timeout=HOUR))
     out["first_differs"] = w != w2
     out["listing"] = listing(root)
@@ -835,7 +1008,8 @@ def scen_save_after_failed_load(root):
 
 ORDER = [
     # First: close() (the relaunched run) releases every claim this job holds, the live root's too.
-    "rollback_new_run", "hold_live", "rollback_same_run", "same_or_older_step", "find_ignores_abandoned",
+    "weights_only_save", "two_roots",  # each ends its first run with close() too
+    "rollback_new_run", "hold_live", "rollback_same_run", "no_flock", "same_or_older_step", "find_ignores_abandoned",
     "foreign_live_claim", "training_claims", "dead_owner", "stale_owner", "foreign_entries",
     "vanished_while_loading",
     "save_user_state_dict", "save_prepare_rank0", "save_shared_storage", "save_write_data", "save_checksum",

@@ -198,11 +198,14 @@ def scen_step0(work):
              "ref_with_state": with_state(ref_model, ref_opts)}
 
         # A resume as users write it: step = load(root) (the newest, step 2), then the same loop with its saves
-        # (the first saves again the step just loaded). Then a rollback to step 0: load(step-0), the same loop.
+        # (the first saves again the step just loaded). Then a rollback to step 0: load(step-0), said
+        # (check_root(rollback_to=0): step 2 is moved aside), the same loop.
         for name, path, start in (("resume2", root, 2), ("resume0", ckpt.step_dir(root, 0), 0)):
             fresh = build(1)  # other weights: only the load makes them equal
             fresh_opts = make(fresh)
             loaded = ckpt.load(path, fresh, fresh_opts)
+            if name == "resume0":
+                ckpt.check_root(root, fresh, rollback_to=0)
             at_load = with_state(fresh, fresh_opts)
             resaves = []
             resumed = loop(fresh, fresh_opts, start, root, resaves)
@@ -338,7 +341,8 @@ def generators():
 
 def scen_eval_copy(work):
     """Training saves steps 1 and 2; an evaluation copy (another model) loads step 1, weights only; training goes on
-    and saves step 3. Then the control: the training model itself loads step 1 (a rollback) and saves step 4."""
+    and saves step 3. Then the control: the training model itself loads step 1 with its optimizer; its save of step
+    2 is refused (step 3 is later) until check_root(rollback_to=1) moves steps 2 and 3 aside."""
     root = os.path.join(work, "root")
     model = build(0)
     opts = OPTIMIZERS["adamw"](model)
@@ -356,8 +360,11 @@ def scen_eval_copy(work):
     res["after_save3"] = listing(root)
     res["rollback_loaded"] = ckpt.load(ckpt.step_dir(root, 1), model, opts)  # the control: this model goes back
     train_step(model, opts, 4)
-    res["save4"] = outcome(lambda: ckpt.save(root, 4, model, opts))
-    res["after_save4"] = listing(root)
+    res["save2_unsaid"] = outcome(lambda: ckpt.save(root, 2, model, opts))
+    res["after_unsaid"] = listing(root)
+    res["rollback"] = outcome(lambda: ckpt.check_root(root, model, rollback_to=1))
+    res["save2"] = outcome(lambda: ckpt.save(root, 2, model, opts))
+    res["after_save2"] = listing(root)
     return res
 
 

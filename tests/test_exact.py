@@ -7,7 +7,9 @@
   8. a failure after the commit's rename (the root's fsync) reported as a failed save, while the step was on
      disk and load() picked it, and the next save moved it aside as abandoned;
   9. an optimizer built with the same param groups in another order (a refactor) refused;
- 10. a write error on one rank counted twice ("failed on 2 rank(s): rank 0: on rank 1: ...; rank 1: on rank 1").
+ 10. a write error on one rank counted twice ("failed on 2 rank(s): rank 0: on rank 1: ...; rank 1: on rank 1");
+and a rollback (check_root(rollback_to=)) killed between its moves: the later step left in place must never be
+loaded, and the next claim finishes the rollback.
 
 Jobs: tests/exact_job.py, as ranks forked from warm processes with torchrun's environment (tests/launch.py), or
 as one plain process; a reader between a crash and the next run is this test process (a plain process).
@@ -285,6 +287,89 @@ def test_refusal_names_a_live_holder(forks, hook):
     assert r["named_alive"] and r["named"]["host"] == socket.gethostname()
 
 
+# ------------------------------------------------------------------- a rollback killed between its moves
+
+
+@pytest.fixture(scope="module")
+def rollback_killed(tmp_path_factory):
+    """exact_job.py rollback-crash: steps 1-3 committed, a run resumes step 1 and is SIGKILLed (every rank) inside
+    check_root(rollback_to=1), right after its first rename to .abandoned-. Between the crash and the next run,
+    this process (a plain one, a reader) looks at the root and loads it. Then rollback-next: the next run."""
+    d = tmp_path_factory.mktemp("rollback")
+    root = d / "ckpt"
+    t0 = time.monotonic()
+    res = {}
+    for mode in ("rollback-crash", "rollback-next"):
+        out = d / mode
+        out.mkdir()
+        t = time.monotonic()
+        job = launch.start([JOB, mode, out, "--root", root], out=out / "output.txt")
+        _, output = job.wait(60)
+        res[mode] = {"rcs": job.rcs, "out": output, "run": read_json(out / "run.json") or {},
+                     "fired": read_json(out / "fired.json"), "secs": time.monotonic() - t}
+        if mode == "rollback-crash":
+            crash = {"listing": sorted(os.listdir(root)), "committed": ckpt.committed_steps(str(root)),
+                     "found": os.path.basename(ckpt.find_checkpoint(str(root)) or "")}
+            reader = exact_job.Net()
+            crash["reader_step"] = ckpt.load(str(root), reader)
+            crash["reader_weights"] = exact_job.weights(reader)
+            res["reader"] = crash
+    print(f"\nrollback killed, then the next run: {res['rollback-crash']['secs']:.1f} s, "
+          f"{res['rollback-next']['secs']:.1f} s; all {time.monotonic() - t0:.1f} s")
+    return res
+
+
+def test_rollback_killed_between_its_moves(rollback_killed):
+    """Steps 1, 2, 3 committed; a run resumes step 1 (load() of step-00000001 with the optimizer). Its save of step 2
+    is refused on every rank, naming step 3 and rollback_to (a load is no rollback). It calls
+    check_root(rollback_to=1) and every rank is SIGKILLed after the durable marker and the first of the two moves:
+    one later step is .abandoned-, the other still step-N. A fresh process's load(root) returns 1 (never the later
+    step left in place), as does the next run's load(root) with the optimizer, before any claim; that run's claim
+    finishes the rollback (both later steps .abandoned-, the marker gone), and its save of step 2 is the newest
+    commit. Guards against a rollback cut short leaving an old-branch step as the newest commit a resume picks."""
+    crash, reader, nxt = (rollback_killed["rollback-crash"], rollback_killed["reader"],
+                          rollback_killed["rollback-next"])
+    run, fired = crash["run"], crash["fired"]
+    print(f"\nresumed step {run.get('loaded')}; save of step 2 unsaid: {run.get('unsaid', {}).get('raised')}: "
+          f"{run.get('unsaid', {}).get('msg', '')[-200:]}")
+    print(f"killed after moving {fired and fired['moved']}: exit codes {crash['rcs']}; root then {fired and fired['listing']}")
+    print(f"a fresh process (this one): find_checkpoint {reader['found']}, committed {reader['committed']}, load(root) -> "
+          f"{reader['reader_step']} (step 1's weights: {reader['reader_weights'] == run.get('saved', {}).get('1')})")
+    assert crash["rcs"] == [-signal.SIGKILL] * 2 and fired, crash["out"][-3000:]
+    assert "check_root_returned" not in run
+    assert run["loaded"] == 1 and run["loaded_weights"] == run["saved"]["1"]
+    assert run["unsaid"]["raised"] == "CheckpointError"
+    assert "holds step-00000003, a later step than 2" in run["unsaid"]["msg"] and "rollback_to=" in run["unsaid"]["msg"]
+    assert run["after_unsaid"] == [ckpt.OWNER, "step-00000001", "step-00000002", "step-00000003"]
+    marker = f"{ckpt.ROLLBACK}00000001"
+    at_kill = fired["listing"]
+    moved = [n for n in at_kill if n.startswith(ckpt.ABANDONED)]
+    left = [n for n in at_kill if n.startswith("step-")]
+    assert marker in at_kill, "the marker must be on disk before the first move"
+    assert len(moved) == 1 and moved[0] == fired["moved"][1] and fired["moved"][0] in ("step-00000002", "step-00000003")
+    assert left == ["step-00000001", ({"step-00000002", "step-00000003"} - {fired["moved"][0]}).pop()], \
+        "the kill must fall between the two moves"
+    assert reader["listing"] == at_kill
+    assert reader["found"] == "step-00000001" and reader["committed"] == [1]
+    assert reader["reader_step"] == 1 and reader["reader_weights"] == run["saved"]["1"]
+    n = nxt["run"]
+    print(f"next run: chose {n.get('chosen')}, load(root) with the optimizer -> {n.get('loaded')}; root before its "
+          f"claim {n.get('before_claim')}; its claim: {n.get('claim', {}).get('raised')}, logged {n.get('moved')}; "
+          f"root after {n.get('after_claim')}; save 2 -> {n.get('path2')}, reload -> {n.get('reload')}; root at the "
+          f"end {n.get('end')}")
+    assert nxt["rcs"] == [0, 0], nxt["out"][-3000:]
+    assert n["chosen"] == "step-00000001" and n["loaded"] == 1 and n["loaded_weights"] == run["saved"]["1"]
+    assert n["before_claim"] == at_kill, "load() claims nothing and moves nothing"
+    assert n["claim"]["raised"] is None
+    assert [ln.split()[2] for ln in n["moved"]] == [left[1]] and "given up by a rollback to step 1" in n["moved"][0]
+    aside = sorted(name.split("-")[2] for name in n["after_claim"] if name.startswith(ckpt.ABANDONED))
+    assert aside == ["00000002", "00000003"] and moved[0] in n["after_claim"]
+    assert [name for name in n["after_claim"] if not name.startswith(ckpt.ABANDONED)] == [ckpt.OWNER, "step-00000001"]
+    assert n["save2"]["raised"] is None and n["path2"] == "step-00000002"
+    assert n["reload"] == 2 and n["reload_weights"] == n["saved2"] and n["committed"] == [1, 2]
+    assert not [name for name in n["end"] if name.startswith(ckpt.ROLLBACK)]
+
+
 # ---------------------------------------------------------------------------------- 8-10. scenarios
 
 
@@ -436,8 +521,9 @@ def test_write_error_counted_once(scenarios, name):
 def test_resave_whose_second_rename_fails(scenarios):
     """A re-save of step 2 whose second rename fails (EIO) on rank 0, in a run that goes on (the error caught):
     the older copy is step-2 again (renamed back at once). The run's next saves must work and honour
-    keep: after a rollback to step 1, a save of step 2 on the new branch; with keep=1, a save of step 3 leaves
-    step 3 alone. Guards against a run that cannot save any more, or a root that grows past keep."""
+    keep: after a resume of step 1, a save of step 2 (an equal step: it replaces step 2, no rollback to say);
+    with keep=1, a save of step 3 leaves step 3 alone. Guards against a run that cannot save any more, or a root
+    that grows past keep."""
     res = scenario(scenarios, "resave_rename_fails")
     for rank, x in enumerate(res):
         for case in ("rollback", "keep"):

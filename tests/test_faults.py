@@ -569,13 +569,17 @@ class Evil:
 
 
 def plant_metadata(ckpt_dir, canary):
-    """An attacker's .metadata, with the manifest updated to match so that every checksum passes."""
+    """An attacker's .metadata, with the manifest updated to match so that every checksum passes: the file's size
+    and CRC (one per 64 MiB chunk), and the manifest's own CRC (format 6)."""
     (ckpt_dir / ".metadata").write_bytes(pickle.dumps(Evil(canary)))
     manifest_path = ckpt_dir / "manifest.json"
     m = json.loads(manifest_path.read_text())
     data = (ckpt_dir / ".metadata").read_bytes()
-    m["files"][".metadata"] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    assert len(data) < ckpt.CHUNK
+    m["files"][".metadata"] = {"bytes": len(data), "crc32": [f"{zlib.crc32(data):08x}"]}
+    m["crc32"] = ckpt._manifest_crc(m)
     manifest_path.write_text(json.dumps(m))
+    assert ckpt.verify_files(str(ckpt_dir), ckpt.read_manifest(str(ckpt_dir))) == [], "every checksum must pass"
 
 
 # case: (damage done to step-00000008, the file the error must name, what the error must say)
@@ -670,7 +674,8 @@ def test_hostile_pickles_do_not_run(loads):
 def test_bad_root_is_refused(api_job, case):
     """A checkpoint root that cannot hold checkpoints (a path through a file, a mount that refuses writes):
     ckpt.check_root refuses it on every rank at once, naming the path. A directory that holds other data is
-    accepted (ckpt touches only step-N, .tmp-*, .abandoned-* and .owner.json) and its data is left alone."""
+    accepted (ckpt touches only step-N, .tmp-*, .replaced-*, .abandoned-*, .rollback-to-* and .owner.json)
+    and its data is left alone."""
     d, out, roots, data = api_job
     res = job_results(d, out, f"root_{case}")
     if case in ("fresh", "data_directory"):

@@ -187,10 +187,11 @@ def test_state_check_sees_a_save_that_steps_the_optimizer(job):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_resume_from_step_0_and_from_lazy_state(job, kind):
-    """A resume from the step-0 checkpoint (saved before any optimizer step: no state at all) and from step 2
-    (aux without state) must train bit-identically to the run without saves, and load() must give state only to
-    the parameters saved with state (no placeholders: a zero moment at step 0 differs from none). The resumed
-    loops save too (the step they loaded is saved again first), as a resumed user loop does."""
+    """A resume from the step-0 checkpoint (saved before any optimizer step: no state at all; a rollback, said with
+    check_root(rollback_to=0)) and from step 2 (aux without state) must train bit-identically to the run without
+    saves, and load() must give state only to the parameters saved with state (no placeholders: a zero moment at
+    step 0 differs from none). The resumed loops save too (the step they loaded is saved again first), as a
+    resumed user loop does."""
     for r, every in enumerate(job["step0"]):
         mine = every[kind]
         for name, start in (("resume0", 0), ("resume2", 2)):
@@ -206,6 +207,8 @@ def test_resume_from_step_0_and_from_lazy_state(job, kind):
                 assert s["same_params_with_state"] and s["max_dstate"] == 0.0, s
         print(f"\n{kind}: root after the rollback to step 0: {mine['listing']}")
         assert [n for n in mine["listing"] if not n.startswith(ckpt.ABANDONED)] == ["step-00000000", "step-00000002"]
+        aside = [n for n in mine["listing"] if n.startswith(ckpt.ABANDONED)]
+        assert len(aside) == 1 and aside[0].startswith(f"{ckpt.ABANDONED}step-00000002-"), "the old step 2, given up"
 
 
 # --------------------------------------------------------- 2. async save, then the loop never calls ckpt again
@@ -323,16 +326,18 @@ def test_forgotten_resume_fails_before_training(relaunch):
 def test_readme_loop_resumes(plain):
     """README's "Use it in your own training loop", as written: ckpt.load(root, ...), then ckpt.check_root(root).
     Run again on a root holding a checkpoint (a resume), it must load it; check_root() first, before any load, is
-    refused with the fix in the message. Guards against a documented loop that cannot resume, and a claim that
-    lets a run that forgot to resume start over on a used root."""
+    refused, the message saying what a resume is (load() with the optimizer) and the fix. Guards against a
+    documented loop that cannot resume, and a claim that lets a run that forgot to resume start over on a used
+    root."""
     readme, claim_first = plain[2]["readme_order"], plain[2]["claim_first"]
     print(f"\nREADME's order (load, then check_root) on a root holding step 3: "
           f"{readme['error'] or 'loaded step %d, max |dweights| %.1e' % (readme['step'], readme['dweights'])}"
           f"\ncheck_root() first: {claim_first}")
     assert readme["error"] is None, f"README's loop cannot resume: {readme['error']}"
     assert readme["step"] == 3 and readme["dweights"] == 0.0
-    assert claim_first and "this run loaded none of them" in claim_first
-    assert "load() the root before check_root()" in claim_first
+    assert claim_first and "this run loaded none of them into its model as a resume" in claim_first
+    assert "(load() with the optimizer; a weights-only load is an initialisation)" in claim_first
+    assert "resume from the root, or use another" in claim_first
 
 
 def test_plain_process_save_and_load(plain):
@@ -393,19 +398,27 @@ def test_evaluation_copy_changes_nothing_of_the_run(job):
     """An evaluation copy (a second model) loads step 1, weights only, beside a run that committed step 2; the run
     trains on and saves step 3. In the field the last load anywhere in the process was taken for the step the run
     continues from: step 2 was moved aside as abandoned, and the weights-only load rewound the run's torch and
-    Python generators (its dropout stream jumped back). A run continues from what its own model was loaded from
-    (or last committed), and a weights-only load touches no generator. Control: the training model itself loading
-    step 1 is a rollback, and the next save moves steps 2 and 3 aside."""
+    Python generators (its dropout stream jumped back). No load moves anything (a rollback is said), and a
+    weights-only load touches no generator. Control: the training model itself loading step 1 with its optimizer
+    then saving step 2 is refused on every rank (step 3 is later), naming check_root(rollback_to=) and moving
+    nothing; check_root(rollback_to=1) moves steps 2 and 3 aside, and the save of step 2 works."""
     for r, res in enumerate(job["eval_copy"]):
         print(f"\nrank {r}: evaluation copy loaded step {res['eval_loaded']}; generators kept: torch "
               f"{res['torch_rng_kept']}, python {res['python_rng_kept']}; after save 3: {res['after_save3']}; "
-              f"rollback control, after save 4: {res['after_save4']}")
+              f"control, save 2 after loading step 1: {res['save2_unsaid']['raised']}: "
+              f"{res['save2_unsaid']['msg'][-160:]}; after check_root(rollback_to=1) and save 2: {res['after_save2']}")
         assert res["eval_loaded"] == 1 and res["torch_rng_kept"] and res["python_rng_kept"]
         assert res["save3"]["raised"] is None
         assert res["after_save3"] == ["step-00000001", "step-00000002", "step-00000003"]
-        assert res["rollback_loaded"] == 1 and res["save4"]["raised"] is None
-        aside = sorted(n.split("-")[2] for n in res["after_save4"] if n.startswith(".abandoned-step-"))
-        assert aside == ["00000002", "00000003"] and "step-00000004" in res["after_save4"]
+        assert res["rollback_loaded"] == 1
+        unsaid = res["save2_unsaid"]
+        assert unsaid["raised"] == "CheckpointError" and unsaid["secs"] < 5
+        assert "holds step-00000003, a later step than 2" in unsaid["msg"] and "rollback_to=" in unsaid["msg"]
+        assert res["after_unsaid"] == res["after_save3"], "a refused save moves nothing"
+        assert res["rollback"]["raised"] is None and res["save2"]["raised"] is None
+        aside = sorted(n.split("-")[2] for n in res["after_save2"] if n.startswith(".abandoned-step-"))
+        assert aside == ["00000002", "00000003"]
+        assert [n for n in res["after_save2"] if not n.startswith(".abandoned-")] == ["step-00000001", "step-00000002"]
 
 
 def test_per_rank_is_declared_not_guessed(job):
