@@ -258,6 +258,9 @@ def train(args, device, rank, world):
         if found is None and args.resume_from:  # a rollback must not quietly start over
             raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
         say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: step 0")
+    newest = max(ckpt.committed_steps(args.ckpt_dir), default=-1)
+    if args.resume_from and not args.rollback and newest > state.step:  # its first save would be refused: now
+        raise SystemExit(f"--resume-from: {args.ckpt_dir} holds step {newest}: add --rollback to give up the later")
     # From the restored position: step s reads global samples samples + s*B ... + B - 1, rank r of W its r-th B/W, so
     # any W reads the same. Its own generator: else iter() draws from torch's, which load() restored (dropout shifts).
     per_rank = args.batch_size // world

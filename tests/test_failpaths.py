@@ -64,6 +64,7 @@ def jobs(tmp_path_factory):
             resume["rc_a"], resume["out_a"] = plain(common + ["--log-file", str(d / "a.jsonl")])
             resume["old8"] = json.loads((root / "step-00000008" / "manifest.json").read_text())
             resume["old8_inode"] = (root / "step-00000008").stat().st_ino
+            resume["rc_unsaid"], resume["out_unsaid"] = plain(common + ["--resume-from", str(root / "step-00000004")])
             resume["rc_b"], resume["out_b"] = plain(common + ["--resume-from", str(root / "step-00000004"),
                                                               "--rollback", "--log-file", str(d / "b.jsonl")])
             resume["entries"] = sorted(os.listdir(root))
@@ -243,12 +244,15 @@ def test_train_resume_from(jobs):
     """train_fsdp.py --resume-from an older step --rollback (a relaunched run): its check_root(rollback_to=4), at
     start-up, moves the old steps 6 and 8 aside; it replays the original exactly from there (max |dloss| = 0), and
     its saves are the newest commits (the live step-00000008 is a new directory, the old one is kept aside).
-    Guards against --resume-from loading the newest step instead, and against its saves being refused or deleted
-    by retention."""
+    Guards against --resume-from loading the newest step instead, against its saves being refused or deleted by
+    retention, and (without --rollback) against training until its first save is refused."""
     res = jobs["resume"]
     assert "error" not in res, res["error"]
     assert res["rc_a"] == 0, res["out_a"][-3000:]
     assert res["rc_b"] == 0, res["out_b"][-3000:]
+    unsaid = res["out_unsaid"]  # the same without --rollback: refused before its first step, nothing moved
+    print(f"\n--resume-from step 4 without --rollback: exit {res['rc_unsaid']}: ...{unsaid.strip()[-160:]}")
+    assert res["rc_unsaid"] != 0 and "holds step 8: add --rollback" in unsaid and "step     5 |" not in unsaid
     a, b, entries = res["a"], res["b"], res["entries"]
     diff = max(abs(a[s]["loss"] - b[s]["loss"]) for s in b)
     root = res["root"]
