@@ -802,8 +802,8 @@ def _steps(root):
     (.rollback-to-N) hides the steps above N: they are being given up."""
     names = os.listdir(root) if os.path.isdir(root) else []
     limit = min([int(name[len(ROLLBACK):]) for name in names if name.startswith(ROLLBACK)], default=math.inf)
-    caught = {_step_of(name): name for name in names if name.startswith(REPLACED) and _step_of(name) is not None}
-    steps = caught | {_step_of(name): name for name in names if STEP_RE.match(name)}  # step-N wins over .replaced-
+    interrupted = {_step_of(name): name for name in names if REPLACED_RE.match(name)}
+    steps = interrupted | {_step_of(name): name for name in names if STEP_RE.match(name)}  # step-N wins
     return {step: name for step, name in steps.items() if step <= limit}
 
 def committed_steps(root):
@@ -1009,7 +1009,7 @@ def _vote(group, what, error=None, args=None):
         reports = [None] * dist.get_world_size()
         _collective(what, dist.all_gather_object, reports, (error, given), group=group)
     failed = [f"rank {r}: {message}" for r, (message, _) in enumerate(reports) if message]  # "": another did
-    if failed or any(message is not None for message, _ in reports):
+    if any(message is not None for message, _ in reports):
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed))
     alike = set.intersection(*[set(other) for _, other in reports])  # what every rank was given
     if any(len(other) > len(alike) for _, other in reports):
