@@ -87,7 +87,7 @@ import torch.utils.data
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-OLDEST_TORCH = (2, 11)
+OLDEST_TORCH = (2, 9)  # tested: 2.9.0 to 2.15.0
 if tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < OLDEST_TORCH:
     raise ImportError(f"ckpt.py needs torch >= {'.'.join(map(str, OLDEST_TORCH))}, not {torch.__version__}")
 
@@ -664,7 +664,10 @@ def _plan(ckpt_dir, verify, model, optimizers, extra):  # steps 3-4, on every ra
         raise CheckpointError(f"refusing to load a damaged checkpoint: {'; '.join(damage)}.{_instead(ckpt_dir)}")
     try:
         metadata = read_metadata(ckpt_dir)
-    except CheckpointError as e:  # removed by another run's retention since: _instead() says so
+    except CheckpointError as e:  # removed by another run's retention since (_instead() says so), or too new
+        if os.path.isdir(ckpt_dir) and manifest["torch_version"] != torch.__version__:
+            raise CheckpointError(f"{e}: torch {manifest['torch_version']} saved it, and an older torch may not "
+                                  f"read a newer one's metadata (this is {torch.__version__})") from None
         raise CheckpointError(f"{e}.{_instead(ckpt_dir)}") from None
     types = [type(o).__name__ for o in optimizers]
     if optimizers and manifest["optimizers"] != types:
@@ -838,7 +841,7 @@ def _chunk_crc(chunk):
     crc, left = 0, CHUNK
     with open(path, "rb") as f:
         f.seek(offset)
-        while left and (block := f.read(min(left, 1 << 20))):  # 1 MiB reads: little added to the peak memory
+        while left and (block := f.read(min(left, 1 << 18))):  # 256 KiB reads: little added to the peak memory
             crc, left = zlib.crc32(block, crc), left - len(block)
     return f"{crc:08x}"
 

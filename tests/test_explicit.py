@@ -31,6 +31,7 @@ import torch
 
 import ckpt
 from tests import explicit_job
+from tests.state_job import Box
 from tests.harness import REPO
 
 JOB = os.path.join(REPO, "tests", "explicit_job.py")
@@ -79,17 +80,6 @@ def plain():
     """A test in this process without a process group: ckpt's world of one; its claims and resumes forgotten after."""
     yield
     ckpt.close()
-
-
-class Box:
-    def __init__(self, state=None):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, sd):
-        self.state = sd
 
 
 # ------------------------------------------------------------------------------------------ one process

@@ -524,7 +524,7 @@ def test_ema_comes_back_into_its_own_dtensors(job):
     torch.Tensor and DTensor' error at its next update), or silently not restored."""
     ranks = scenario(job, "ema")
     msg = refused_everywhere([res["refused"] for res in ranks],
-                             "extra.ema.shadow.a.weight was saved as a DTensor, and would come back as a Tensor",
+                             "extra.ema.shadow.a.weight was saved as a DTensor, and the object held no tensor there",
                              "before load() (an EMA's shadows from the parameters)")
     print(f"\nlazy EMA at load: {msg[:300]}")
     for r, res in enumerate(ranks):
@@ -575,7 +575,7 @@ def test_extra_mixing_dtensors_and_plain_values(job):
     a name with, plain ones sharded, or one rank's value given to every rank."""
     ranks = scenario(job, "mixed_extra")
     msg = refused_everywhere([res["missing"] for res in ranks],
-                             "extra.mixed.a.weight was saved as a DTensor, and would come back as a Tensor")
+                             "extra.mixed.a.weight was saved as a DTensor, and the object held no tensor there")
     print(f"\nobjects without their tensors at load: {msg[:240]}")
     for r, res in enumerate(ranks):
         leaves = {k: (v["loaded"]["type"], v["loaded"]["placements"], v["diff"]) for k, v in res["leaves"].items()}
@@ -603,7 +603,7 @@ def test_dtensor_laid_out_like_no_parameter(job):
     for case in ("replicated", "reshaped"):
         per_case = [r[case] for r in res]
         msg = refused_everywhere([r["missing"] for r in per_case],
-                                 f"extra.{case}.w was saved as a DTensor, and would come back as a Tensor")
+                                 f"extra.{case}.w was saved as a DTensor, and the object held no tensor there")
         print(f"\n{case}: saved {[r['saved']['raised'] for r in per_case]}, committed "
               f"{[r['committed'] for r in per_case]}; into an object without it: {msg[:200]}; into one with it: "
               f"{[r['loaded']['raised'] for r in per_case]}, {per_case[0]['layout']['placements']} "

@@ -1,6 +1,7 @@
 """Load a checkpoint of train_fsdp.py and save what was loaded, unchanged, under another root (tests/test_versions.py).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/versions_job.py SRC DST <train_fsdp flags>
+    python tests/versions_job.py --compare A B       # in one process: prints one JSON line, see compare()
 
 Builds train_fsdp.py's model, optimizer, LR schedule and training state from the flags, as train_fsdp.py does,
 restores them with ckpt.load(SRC) (SRC: a root or one step's directory) and writes them with ckpt.save(DST) at the
@@ -9,6 +10,7 @@ must equal SRC key by key, bit for bit.
 """
 
 import gc
+import json
 import os
 import sys
 
@@ -20,7 +22,19 @@ import ckpt  # noqa: E402
 import train_fsdp  # noqa: E402
 
 
+def compare(a, b):
+    """The newest checkpoints under roots (or step directories) a and b, compared as test_resume.py compares them, in
+    this interpreter: tests/test_versions.py runs it under the newer torch of the two that wrote them, which an older
+    torch may be unable to read. Prints {"steps": [a's, b's], "keys": [a's, b's], "differ": [keys]}."""
+    from test_resume import differing_keys, final_state
+    (step_a, want), (step_b, got) = final_state(a), final_state(b)
+    print(json.dumps({"steps": [step_a, step_b], "keys": [sorted(want), sorted(got)],
+                      "differ": list(differing_keys(want, got))}))
+
+
 def main():
+    if sys.argv[1] == "--compare":
+        return compare(sys.argv[2], sys.argv[3])
     src, dst, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     args = train_fsdp.get_args(argv)
     dist.init_process_group("gloo")
