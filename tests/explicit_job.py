@@ -156,7 +156,8 @@ def steps_after_save(model, opt, root):
         opt.step()  # its step pre-hook waits for the copy to host memory
     path = pending.wait()
     loaded = fresh_load(path)
-    return {"n": len(loaded), "vs_at_save": compared(at_save, loaded), "vs_after": compared(snapshot(model, opt), loaded)}
+    return {"n": len(loaded), "vs_at_save": compared(at_save, loaded),
+            "vs_after": compared(snapshot(model, opt), loaded)}
 
 
 def in_place_after_save(model, opt, root):

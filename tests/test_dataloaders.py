@@ -85,8 +85,9 @@ def test_start_wins_over_a_restored_stateful_dataloader():
     """Which of `sampler.start` and a restored StatefulDataLoader decides where a resumed epoch goes on: `start`.
     SkippingSampler's state_dict() is empty, so the restored loader restores its workers and skips nothing by itself
     (Position.batches sets `start` each epoch). Both restored, stopped mid-epoch or at an epoch's end, every rank
-    of 2 reads on exactly as the uninterrupted run: no sample twice, none skipped. Shown on both sides: the restored loader without the position starts the data over (it skipped
-    nothing); with a sampler of the same order that has no state of its own, the loader's fast-forward comes on top
+    of 2 reads on exactly as the uninterrupted run: no sample twice, none skipped. Shown on both sides: the
+    restored loader without the position starts the data over (it skipped nothing); with a sampler of the same
+    order that has no state of its own, the loader's fast-forward comes on top
     of `start`: a batch is skipped (the check above would see it; at other stops it runs past the epoch's end)."""
     steps, world = 8, 2
     want = [stream(world, rank, steps) for rank in range(world)]

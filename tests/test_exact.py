@@ -332,9 +332,11 @@ def test_rollback_killed_between_its_moves(rollback_killed):
     run, fired = crash["run"], crash["fired"]
     print(f"\nresumed step {run.get('loaded')}; save of step 2 unsaid: {run.get('unsaid', {}).get('raised')}: "
           f"{run.get('unsaid', {}).get('msg', '')[-200:]}")
-    print(f"killed after moving {fired and fired['moved']}: exit codes {crash['rcs']}; root then {fired and fired['listing']}")
-    print(f"a fresh process (this one): find_checkpoint {reader['found']}, committed {reader['committed']}, load(root) -> "
-          f"{reader['reader_step']} (step 1's weights: {reader['reader_weights'] == run.get('saved', {}).get('1')})")
+    print(f"killed after moving {fired and fired['moved']}: exit codes {crash['rcs']}; "
+          f"root then {fired and fired['listing']}")
+    print(f"a fresh process (this one): find_checkpoint {reader['found']}, committed {reader['committed']}, "
+          f"load(root) -> {reader['reader_step']} "
+          f"(step 1's weights: {reader['reader_weights'] == run.get('saved', {}).get('1')})")
     assert crash["rcs"] == [-signal.SIGKILL] * 2 and fired, crash["out"][-3000:]
     assert "check_root_returned" not in run
     assert run["loaded"] == 1 and run["loaded_weights"] == run["saved"]["1"]

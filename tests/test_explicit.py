@@ -147,8 +147,9 @@ def test_zero_dim_parameter_state_placed_as_the_optimizer_places_it(tmp_path, pl
     differ = [f"{n}.{k}" for n, p in fresh.named_parameters() for k, v in fresh_opt.state[p].items()
               if not torch.equal(v, saved[n][k])]
     resumed = scaled_steps(fresh, fresh_opt, 3, 2)
-    print(f"\n{kind.__name__} on {device}: state after load {loaded['logit_scale']} (logit_scale); {kind.__name__}'s own after "
-          f"a step {own['logit_scale']}; differ from saved: {differ}; losses {ref} uninterrupted, {resumed} resumed")
+    print(f"\n{kind.__name__} on {device}: state after load {loaded['logit_scale']} (logit_scale); "
+          f"{kind.__name__}'s own after a step {own['logit_scale']}; differ from saved: {differ}; "
+          f"losses {ref} uninterrupted, {resumed} resumed")
     assert loaded == own
     for n, p in fresh.named_parameters():
         assert fresh_opt.state[p]["step"].device == torch.device("cpu")

@@ -286,9 +286,9 @@ def test_weights_only_load_never_replaces_a_step(jobs):
           f"{r['loaded']} (weights equal {r['weights_equal']}), fresh optimizer with {r['fresh_opt_state']} states; "
           f"save(100): {r['save']['raised']}: {r['save']['msg'][-300:]}")
     print(f"step 100 after the refusal: {len(r['after']['entries'])} entries, same directory "
-          f"{r['after']['inode'] == r['before']['inode']}, same manifest {r['after']['manifest'] == r['before']['manifest']}; "
-          f"resumed -> {r['resumed']}, save(100) again: {r['resave']['raised']}, then {len(r['after_resave']['entries'])} "
-          f"entries")
+          f"{r['after']['inode'] == r['before']['inode']}, same manifest "
+          f"{r['after']['manifest'] == r['before']['manifest']}; resumed -> {r['resumed']}, save(100) again: "
+          f"{r['resave']['raised']}, then {len(r['after_resave']['entries'])} entries")
     assert r["loaded"] == 100 and r["weights_equal"] and r["fresh_opt_state"] == 0
     for what in ("save", "check_root"):
         failed_fast([x[what] for x in res], f"{what} after a weights-only load")

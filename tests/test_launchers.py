@@ -357,7 +357,8 @@ def refuses(fig, root, a, start_b, nranks):
         b = start_b()
         fig["b_rcs"] = b.wait(trains=True)
         fig["b_secs"], fig["b_cmd"], fig["b_out"] = b.secs, b.cmd, b.tail()
-        fig["b_refused"] = len(re.findall(rf"CheckpointError: check_root\(\) \(rank 0\): \S+ {REFUSAL}", b.out))  # once per rank
+        refusal = rf"CheckpointError: check_root\(\) \(rank 0\): \S+ {REFUSAL}"
+        fig["b_refused"] = len(re.findall(refusal, b.out))  # once per rank
         fig["b_ranks"], fig["b_named_a"] = nranks, fig["a_claim"] in b.out
         fig["b_steps"] = len(STEP_LINE.findall(b.out)) + len(b.steps())
         fig["root_unchanged"] = listing(root) == before
@@ -470,7 +471,8 @@ def torchrun_chain(d, stage):
     for run in (loser, winner):
         race[run.name] = {"rcs": run.wait(), "secs": run.secs, "steps": run.steps(), "out": run.tail(),
                           "took_over": [line for _, line in run.lines if TAKEOVER in line],
-                          "refused": len(re.findall(rf"CheckpointError: check_root\(\) \(rank 0\): \S+ {REFUSAL}", run.out)),
+                          "refused": len(re.findall(rf"CheckpointError: check_root\(\) \(rank 0\): \S+ {REFUSAL}",
+                                                    run.out)),
                           "resumed": re.findall(r"^resumed from step (\d+)", run.out, re.M)}
     race["winner"], race["loser"] = winner.name, loser.name
 

@@ -5,8 +5,8 @@ always has tied embeddings, dropout, a trainable parameter that never gets a gra
 every third step only (so its AdamW step lags); its `extra` holds a OneCycleLR (SequentialLR in the bf16
 chain), a disabled GradScaler (state {}), an EMA of the sharded parameters (DTensors, made from the
 parameters before load(), which reads into them), and per-rank data streams (torch and numpy generators whose
-state differs per rank, converted to tensors and ints by its state_dict(): ckpt refuses numpy). Each scenario runs it uninterrupted, then resumes
-it from one of its checkpoints in another (or the same) layout, and checks:
+state differs per rank, converted to tensors and ints by its state_dict(): ckpt refuses numpy). Each scenario runs
+it uninterrupted, then resumes it from one of its checkpoints in another (or the same) layout, and checks:
 
   * state: the full model and optimizer state, the EMA and every rank's extras, gathered right before the
     save and right after the load (user_loop.py --dump-state), are equal element for element;

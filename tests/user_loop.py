@@ -266,7 +266,8 @@ if args.layout == "tp":
                                                "fc": ColwiseParallel(), "proj": RowwiseParallel()})
     fsdp_mesh, dp_rank, dp_size = mesh["dp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
 elif args.layout == "hsdp":  # replicas and shards are both data parallel: every rank reads its own data
-    fsdp_mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate), mesh_dim_names=("replicate", "shard"))
+    fsdp_mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
+                                 mesh_dim_names=("replicate", "shard"))
     dp_rank, dp_size = rank, world
 else:
     fsdp_mesh, dp_rank, dp_size = init_device_mesh("cpu", (world,)), rank, world
@@ -285,7 +286,8 @@ no_decay = [w for w in model.parameters() if w.dim() < 2]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                               lr=1e-2, betas=(0.9, 0.95), fused=True)
 if args.sched == "onecycle":
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[1e-2, 1e-2], total_steps=args.steps, pct_start=0.25)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[1e-2, 1e-2], total_steps=args.steps,
+                                                    pct_start=0.25)
 else:
     warm = max(args.steps // 4, 1)
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [
