@@ -142,8 +142,7 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     _vote(group, "save()", collected.error, args)
     flat, hashed = collected.value.flat, collected.value.hashed
     # 3. Prepare: rank 0 alone touches the root, so ranks never race on it.
-    resumed = any(m in _resumed for m in model.modules())
-    tmp = _rank0(group, f"save: prepare step {step} in {root} (rank 0)", _prepare, root, step, resumed)
+    tmp = _rank0(group, f"save: prepare step {step} in {root} (rank 0)", _prepare, root, step, _was_resumed(model))
     _check_shared(group, tmp)
     manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "torch_version": torch.__version__,
                 "meta": meta or {}, "optimizers": args["optimizers"]}
@@ -209,8 +208,7 @@ def check_root(root, model, *, rollback_to=None, lock=True, timeout=DEFAULT_TIME
     valid = rollback_to is None or _count(rollback_to, 0)
     _vote(group, "check_root()", None if valid else f"rollback_to must be a step (an int >= 0), not {rollback_to!r}",
           {"root": root, "rollback_to": rollback_to, "lock": lock})
-    resumed = any(m in _resumed for m in model.modules())
-    _rank0(group, "check_root() (rank 0)", _claim, root, None, resumed, rollback_to, lock)
+    _rank0(group, "check_root() (rank 0)", _claim, root, None, _was_resumed(model), rollback_to, lock)
     _check_shared(group, os.path.join(root, OWNER))
 
 def close():
@@ -248,6 +246,9 @@ class PendingSave:
                 _in_flight.remove(self)
                 for hook in self.hooks:  # here, not in the hook: an optimizer iterates over its hooks
                     hook.remove()
+
+def _was_resumed(model):  # by a load() with its optimizer; any module: a torch.compile wrapper finds its model's
+    return any(m in _resumed for m in model.modules())
 
 def wait_pending():  # the save in flight, if any, must be over before the group is used again
     while _in_flight:
@@ -288,7 +289,7 @@ def _collect(step, keep, model, optimizers, extra, rng, meta):  # step 1
 
 def _lift(flat):
     """Each tensor of an object's state gets a key of its own, its path (DCP stores a DTensor's shards, a tensor's
-    bytes); its place in the object's value says which it was, and load() refuses the other."""
+    bytes); its place in the object's value says which it was: load() refuses a DTensor it could only read whole."""
     def leaf(path, value):
         if not isinstance(value, torch.Tensor):
             return _restorable(path, value)
