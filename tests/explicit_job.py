@@ -21,9 +21,6 @@ import time
 
 STARTED = time.time()  # before torch is imported: the job's figures include the import
 
-import datetime  # noqa: E402
-import gc  # noqa: E402
-import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -193,19 +190,8 @@ ORDER = ["per_rank_tensor", "stages", "async_steps"]
 
 
 def main():
-    work, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    os.makedirs(out, exist_ok=True)
-    logging.getLogger("ckpt").setLevel(logging.INFO)
-    results = {"timing": {"import_s": round(time.time() - STARTED, 2)}}
-    state_job.STARTED, state_job.SCENARIO_LIMIT = STARTED, 60  # run_scenarios() times the job from our start
-    scenarios = {name: lambda name=name: globals()[f"scen_{name}"](os.path.join(work, name), out) for name in ORDER}
-    try:
-        state_job.run_scenarios(scenarios, results)
-    finally:
-        ckpt.close()
-        gc.collect()
-        dist.destroy_process_group()
+    state_job.STARTED, state_job.SCENARIO_LIMIT = STARTED, 60  # the job is timed from our start
+    state_job.main(ORDER, globals())
 
 
 if __name__ == "__main__":

@@ -107,6 +107,20 @@ def read_log(path):
     return out
 
 
+def scenarios_result(out, job, said):
+    """The RESULT line of a job of tests/state_job.py's run_scenarios() (said: how it ended, printed with each
+    scenario's seconds): {scenario: [each rank's figures]}; a missing line, a scenario that hung or a job that did
+    not finish fails here."""
+    line = next((line for line in out.splitlines() if line.startswith("RESULT ")), None)
+    assert line, f"no RESULT line ({said}):\n{out[-4000:]}"
+    result = json.loads(line[len("RESULT "):])
+    secs = {name: [r.get("secs") for r in ranks] for name, ranks in result.items() if isinstance(ranks, list)}
+    print(f"\n{job}: {said}; {result.get('timing')}; seconds per scenario {secs}")
+    assert "hung" not in result, f"scenario {result['hung']} hung:\n{out[-4000:]}"
+    assert result.get("done"), out[-4000:]
+    return result
+
+
 def max_abs_diff(ref, got, key="loss"):
     """max |ref - got| over the steps in got (every step of got must be in ref)."""
     return max(abs(ref[s][key] - got[s][key]) for s in got)

@@ -509,13 +509,14 @@ def run_scenarios(scenarios, results):
         report()
 
 
-def main():
-    work, out = sys.argv[1], sys.argv[2]
+def main(order=ORDER, scope=None):
+    """Runs the scenarios named in order, scen_<name>() of scope (this module's globals, or another job's)."""
+    work, out, scope = sys.argv[1], sys.argv[2], scope or globals()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     os.makedirs(out, exist_ok=True)
     logging.getLogger("ckpt").setLevel(logging.INFO)
     results = {"timing": {"import_s": round(time.time() - STARTED, 2)}}
-    scenarios = {name: lambda name=name: globals()[f"scen_{name}"](os.path.join(work, name), out) for name in ORDER}
+    scenarios = {name: lambda name=name: scope[f"scen_{name}"](os.path.join(work, name), out) for name in order}
     try:
         run_scenarios(scenarios, results)
     finally:

@@ -32,7 +32,7 @@ import torch
 import ckpt
 from tests import explicit_job
 from tests.state_job import Box
-from tests.harness import REPO
+from tests.harness import REPO, scenarios_result
 
 JOB = os.path.join(REPO, "tests", "explicit_job.py")
 
@@ -57,14 +57,8 @@ def job(job_launch):
     """{scenario: [rank 0's figures, rank 1's figures]} of tests/explicit_job.py."""
     t0 = time.monotonic()
     rc, out = job_launch["job"].wait(timeout=240)
-    line = next((line for line in out.splitlines() if line.startswith("RESULT ")), None)
-    assert line, f"no RESULT line (exit codes {job_launch['job'].rcs}):\n{out[-4000:]}"
-    result = json.loads(line[len("RESULT "):])
-    secs = {name: [r.get("secs") for r in ranks] for name, ranks in result.items() if isinstance(ranks, list)}
-    print(f"\nexplicit_job.py: exit {rc}, waited {time.monotonic() - t0:.1f} s for it; {result.get('timing')}; "
-          f"seconds per scenario {secs}")
-    assert "hung" not in result, f"scenario {result['hung']} hung:\n{out[-4000:]}"
-    assert result.get("done"), out[-4000:]
+    result = scenarios_result(out, "explicit_job.py", f"exit {rc} (exit codes {job_launch['job'].rcs}), waited "
+                              f"{time.monotonic() - t0:.1f} s for it")
     return dict(result, out_dir=str(job_launch["dir"] / "out"))
 
 

@@ -15,7 +15,6 @@ job's RESULT line.
 
 import dataclasses
 import io
-import json
 import os
 import threading
 import time
@@ -27,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 import ckpt
 from tests import state_job
-from tests.harness import REPO, torchrun
+from tests.harness import REPO, scenarios_result, torchrun
 
 np = pytest.importorskip("numpy")  # numpy is in requirements.txt (torch's object collectives need it)
 
@@ -448,14 +447,8 @@ def job(job_launch):
     d, launched = job_launch["dir"], job_launch["launched"]
     assert "out" in launched, "tests/state_job.py did not finish within 300 s"
     rc, out = launched["rc"], launched["out"]
-    line = next((line for line in out.splitlines() if line.startswith("RESULT ")), None)
-    assert line, f"no RESULT line (exit {rc}):\n{out[-4000:]}"
-    result = json.loads(line[len("RESULT "):])
-    secs = {name: [r.get("secs") for r in ranks] for name, ranks in result.items() if isinstance(ranks, list)}
-    print(f"\nstate_job.py: exit {rc} after {launched['secs']:.1f} s (launched as the module started); "
-          f"{result.get('timing')}; seconds per scenario {secs}")
-    assert "hung" not in result, f"scenario {result['hung']} hung:\n{out[-4000:]}"
-    assert result.get("done"), out[-4000:]
+    result = scenarios_result(out, "state_job.py",
+                              f"exit {rc} after {launched['secs']:.1f} s (launched as the module started)")
     # Every scenario's figures are in the RESULT line, printed before the teardown: an exit status other than 0
     # after it is torch's gloo teardown abort (README "A clean exit"), reported here, not a scenario failing.
     if rc != 0:
