@@ -32,7 +32,8 @@ Save (the code carries the same numbers):
   4. Write: dcp.save() writes and fsyncs each rank's files; each rank's plan carries a digest of each value compared,
      which its holders must agree on. Each rank CRCs its share of the files, in 64 MiB chunks, in parallel.
      async_save: the tensors are first copied to host memory beside the loop (a CUDA stream, else a thread) while
-     the next forward and backward run; each optimizer's next step() waits for the copy; steps 4-6 run in a thread.
+     the next forward and backward run, into buffers made once (prepare_async(): before the first save); each
+     optimizer's next step() waits for the copy; steps 4-6 run in a thread.
   5. Commit: rank 0 writes manifest.json (the step, each file's size and CRCs, its own CRC) and renames the
      directory to step-N (an older copy of step N is replaced).
   6. Retain: rank 0 removes all but the newest `keep` steps.
@@ -124,6 +125,7 @@ _resumed = weakref.WeakSet()  # the modules of models a load() with their optimi
 _part_loaded = weakref.WeakSet()  # models a load failed to finish writing into: save() refuses them until a load does
 _in_flight = []  # the async save being copied and written, at most one
 _buffers = {}  # key -> its host buffer for async saves (pinned with CUDA): made once, reused, dropped by close()
+_making = []  # the threads of prepare_async() making _buffers: joined before anything else reads them
 
 def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
          timeout=DEFAULT_TIMEOUT):
@@ -211,11 +213,26 @@ def check_root(root, model, *, rollback_to=None, lock=True, timeout=DEFAULT_TIME
     _rank0(group, "check_root() (rank 0)", _claim, root, None, _was_resumed(model), rollback_to, lock)
     _check_shared(group, os.path.join(root, OWNER))
 
+def prepare_async(model, optimizer=None, extra=None, *, rng=True):
+    """Make the host buffers of async saves now, in a thread beside the loop, and return the thread: the first async
+    save then blocks no longer than the later ones (pinned memory takes seconds per 5 GB). Call it on every rank with
+    what save() will be given, once the optimizers hold state (after a step or a resume); not collective. A save that
+    comes first waits for it; a key it did not foresee gets its buffer from that save."""
+    wait_pending()  # its copy uses the buffers
+    _join_buffers()
+    flat = _collect(0, None, model, _as_list(optimizer), extra, rng, None).flat
+    sources = HostCopy.sources_of(flat)
+    thread = threading.Thread(target=_make_buffers, args=(sources,), name="ckpt-buffers", daemon=True)
+    thread.start()
+    _making.append(thread)
+    return thread
+
 def close():
     """End ckpt's part of the run, on every rank, before dist.destroy_process_group(): wait for a save in flight,
     release the root, drop the async host buffers, and destroy ckpt's process groups (not to outlive the default)."""
     try:
         wait_pending()
+        _join_buffers()  # before they are dropped: it would make them again
     finally:
         for owner in _locks.values():  # first: the root is released whatever fails below
             os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
@@ -489,15 +506,13 @@ Commit = collections.namedtuple("Commit", "root step tmp manifest group keep has
 
 class HostCopy:
     """An async save's tensors copied to host memory beside the loop: one rule on every device, copy on the side
-    and wait before the next write. A thread makes the buffers (once, then reused: pinned memory takes seconds per
-    5 GB) and copies; CUDA tensors on a side stream, after the work that made them (an event), the rest in the
-    thread. release() is the wait before a write: an optimizer's step (on CUDA its stream waits, the host does not),
-    a ckpt call, PendingSave.wait_copy(). A tensor written in place before then (its Tensor._version) fails the
-    save by name; a write through .data is not seen: call wait_copy() before one."""
+    and wait before the next write. A thread copies into buffers made once (by prepare_async(), else here) and
+    reused; CUDA tensors on a side stream, after the work that made them (an event), the rest in the thread.
+    release() is the wait before a write: an optimizer's step (on CUDA its stream waits, the host does not), a ckpt
+    call, PendingSave.wait_copy(). A tensor written in place before then (its Tensor._version) fails the save by
+    name; a write through .data is not seen: call wait_copy() before one."""
     def __init__(self, flat):
-        with torch.no_grad():  # to_local() of a parameter: no autograd graph
-            self.sources = {k: v.to_local() if isinstance(v, DTensor) else v.detach() for k, v in flat.items()
-                            if isinstance(v, torch.Tensor)}
+        self.sources = self.sources_of(flat)
         self.flat, self.host, self.error, self.lock, self.tensors_now = flat, {}, None, threading.Lock(), None
         self.versions = self.read_versions()
         cuda = any(t.is_cuda for t in self.sources.values())
@@ -506,6 +521,12 @@ class HostCopy:
         self.done, self.copied = torch.cuda.Event() if cuda else None, threading.Event()
         self.thread = threading.Thread(target=self.copy, name="ckpt-copy", daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def sources_of(flat):  # {key: the tensor copied}: a DTensor's local shard
+        with torch.no_grad():  # to_local() of a parameter: no autograd graph
+            return {k: v.to_local() if isinstance(v, DTensor) else v.detach() for k, v in flat.items()
+                    if isinstance(v, torch.Tensor)}
 
     def read_versions(self):  # a DTensor's and its shard's: either counts a write in place
         return {k: (self.flat[k]._version, t._version) for k, t in self.sources.items()}
@@ -516,10 +537,9 @@ class HostCopy:
                 torch.cuda.set_device(self.stream.device)
                 torch.cuda.set_stream(self.stream)
                 self.stream.wait_event(self.ready)
+            _join_buffers()
             for key, t in self.sources.items():
-                buf = _buffers.get(key)
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:  # the first save, or reshaped
-                    buf = _buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.stream is not None)
+                buf = _host_buffer(key, t, pinned=self.stream is not None)
                 buf.copy_(t, non_blocking=t.is_cuda)
                 if t.is_cuda:
                     t.record_stream(self.stream)  # its memory is not reused until the copy has read it
@@ -556,6 +576,26 @@ class HostCopy:
             self.error = (f"{changed[:5]} were written in place while being copied to host memory (an EMA update, a "
                           "weight edit, a buffer in forward()): call pending.wait_copy() before writing them")
         return self.error
+
+def _host_buffer(key, t, pinned):  # made for the first save (or prepare_async()), reused while t keeps its layout
+    buf = _buffers.get(key)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = _buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+    return buf
+
+def _make_buffers(sources):  # prepare_async()'s thread
+    cuda = next((t.device for t in sources.values() if t.is_cuda), None)
+    try:
+        if cuda is not None:
+            torch.cuda.set_device(cuda)  # a new thread's is device 0, where another rank's GPU would get a context
+        for key, t in sources.items():
+            _host_buffer(key, t, pinned=cuda is not None).zero_()  # zero_(): its pages exist before a copy needs them
+    except Exception as e:  # the first save makes what is missing, or fails naming why
+        log.warning("prepare_async(): making the host buffers failed: %s", _describe(e))
+
+def _join_buffers():
+    while _making:
+        _making.pop().join()
 
 def _write_and_commit(flat, c, copy=None):  # steps 4-6 on every rank; in a background thread for an async save
     try:

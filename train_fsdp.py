@@ -278,7 +278,7 @@ def train(args, device, rank, world):
         say(f"initialized weights from {args.init_from}")
     sigterm = {"received": 0.0}  # SIGTERM (preemption) only sets it; the step's all-reduce makes every rank see it
     signal.signal(signal.SIGTERM, lambda *_: sigterm.update(received=1.0))
-    done = state.step >= args.steps
+    done, first = state.step >= args.steps, state.step + 1
     while not done:
         t0 = time.time()
         x, y = (t.to(device) for t in next(data))
@@ -291,6 +291,8 @@ def train(args, device, rank, world):
         opt.zero_grad(set_to_none=True)
         state.step += 1
         state.samples += args.batch_size
+        if args.async_save and state.step == first:  # the optimizer holds state: async saves' buffers, beside the loop
+            ckpt.prepare_async(model, opt, extra)
         stats = torch.tensor([loss.item(), sigterm["received"]], device=device)  # one all-reduce for both
         dist.all_reduce(stats)
         mean_loss, preempted = stats[0].item() / world, stats[1].item() > 0
