@@ -124,8 +124,8 @@ _locks = {}  # root -> the open .owner.json whose lock claims it for this run (r
 _resumed = weakref.WeakSet()  # the modules of models a load() with their optimizer restored
 _part_loaded = weakref.WeakSet()  # models a load failed to finish writing into: save() refuses them until a load does
 _in_flight = []  # the async save being copied and written, at most one
-_buffers = {}  # key -> its host buffer for async saves (pinned with CUDA): made once, reused, dropped by close()
-_making = []  # the threads of prepare_async() making _buffers: joined before anything else reads them
+_host = {}  # async saves' host memory: the layout it is for, one allocation, a view per key; dropped by close()
+_making = []  # the threads of prepare_async() making _host: joined before anything else reads it
 
 def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None, rng=True, async_save=False,
          timeout=DEFAULT_TIMEOUT):
@@ -220,8 +220,7 @@ def prepare_async(model, optimizer=None, extra=None, *, rng=True):
     comes first waits for it; a key it did not foresee gets its buffer from that save."""
     wait_pending()  # its copy uses the buffers
     _join_buffers()
-    flat = _collect(0, None, model, _as_list(optimizer), extra, rng, None).flat
-    sources = HostCopy.sources_of(flat)
+    sources = HostCopy.sources_of(_collect(0, None, model, _as_list(optimizer), extra, rng, None).flat)
     thread = threading.Thread(target=_make_buffers, args=(sources,), name="ckpt-buffers", daemon=True)
     thread.start()
     _making.append(thread)
@@ -232,12 +231,12 @@ def close():
     release the root, drop the async host buffers, and destroy ckpt's process groups (not to outlive the default)."""
     try:
         wait_pending()
-        _join_buffers()  # before they are dropped: it would make them again
     finally:
+        _join_buffers()  # before the buffers are dropped: it would make them again
         for owner in _locks.values():  # first: the root is released whatever fails below
             os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
             os.close(owner)  # releases the lock
-        for registry in (_buffers, _locks, _resumed, _part_loaded):  # the next run in this process starts afresh
+        for registry in (_host, _locks, _resumed, _part_loaded):  # the next run in this process starts afresh
             registry.clear()
         while _groups:  # last: it raises if the default group is gone already
             dist.destroy_process_group(_groups.popitem()[1])
@@ -330,14 +329,14 @@ def _walk(value, leaf, path=""):
         return kind(_walk(v, leaf, f"{path}.{i}") for i, v in enumerate(value))
     return leaf(path, value)
 
-def _restorable(path, value):
+def _restorable(path, value):  # value, or a copy of a tensor (a tensor lr): an async save pickles it later
     # The exact types: a subclass (numpy's float64, an IntEnum, a namedtuple) would pickle, then be refused.
     if type(value) not in PLAIN:
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         raise CheckpointError(f"{path} is a {kind}, which load() cannot restore without running code from the "
                               "checkpoint: convert it in state_dict() (or get_extra_state()), and back when loaded "
                               f"(containers: {', '.join(t.__name__ for t in CONTAINERS)})")
-    return value
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 def _objects(optimizers, names, extra, rng):
     """{key: what holds state there}: each optimizer by parameter name; each extra, per rank or stored once."""
@@ -510,15 +509,17 @@ class HostCopy:
     reused; CUDA tensors on a side stream, after the work that made them (an event), the rest in the thread.
     release() is the wait before a write: an optimizer's step (on CUDA its stream waits, the host does not), a ckpt
     call, PendingSave.wait_copy(). A tensor written in place before then (its Tensor._version) fails the save by
-    name; a write through .data is not seen: call wait_copy() before one."""
+    name: a check, blind to writes through .data, a DTensor's to_local() or a fused kernel (wait_copy() first)."""
     def __init__(self, flat):
         self.sources = self.sources_of(flat)
         self.flat, self.host, self.error, self.lock, self.tensors_now = flat, {}, None, threading.Lock(), None
         self.versions = self.read_versions()
-        cuda = any(t.is_cuda for t in self.sources.values())
-        self.stream = torch.cuda.Stream() if cuda else None
-        self.ready = torch.cuda.current_stream().record_event() if cuda else None  # the work that made the values
-        self.done, self.copied = torch.cuda.Event() if cuda else None, threading.Event()
+        self.device = _cuda_device(self.sources)  # the sources' (not the current device: a loop need not set it)
+        cuda = self.device is not None
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.ready = torch.cuda.current_stream(self.device).record_event() if cuda else None  # what made the values
+        self.done = torch.cuda.Event(blocking=True) if cuda else None  # its waiter sleeps, not spins a core
+        self.copied = threading.Event()
         self.thread = threading.Thread(target=self.copy, name="ckpt-copy", daemon=True)
         self.thread.start()
 
@@ -534,23 +535,21 @@ class HostCopy:
     def copy(self):
         try:
             if self.stream is not None:  # this thread's current device and stream (a new thread has device 0's)
-                torch.cuda.set_device(self.stream.device)
+                torch.cuda.set_device(self.device)
                 torch.cuda.set_stream(self.stream)
                 self.stream.wait_event(self.ready)
             _join_buffers()
+            views = _host_views(self.sources, pinned=self.stream is not None)
             for key, t in self.sources.items():
-                buf = _host_buffer(key, t, pinned=self.stream is not None)
-                buf.copy_(t, non_blocking=t.is_cuda)
+                views[key].copy_(t, non_blocking=t.is_cuda)  # on the stream of t's device: ours, checked above
                 if t.is_cuda:
                     t.record_stream(self.stream)  # its memory is not reused until the copy has read it
-                self.host[key] = buf
-            for key in set(_buffers) - set(self.sources):  # keys gone since the last save: their memory goes too
-                del _buffers[key]
-            if self.stream is not None:
-                self.done.record(self.stream)
+            self.host = views
         except Exception as e:
             self.error = f"copy to host memory: {_describe(e)}"
         finally:
+            if self.stream is not None:  # also after a failure: a write waits for the copies that were queued
+                self.done.record(self.stream)
             self.copied.set()
         try:
             if self.done is not None and self.error is None:
@@ -566,7 +565,7 @@ class HostCopy:
     def release(self):
         self.copied.wait()
         if self.done is not None and self.error is None:
-            torch.cuda.current_stream().wait_event(self.done)  # what this stream runs next runs after the copy
+            torch.cuda.current_stream(self.device).wait_event(self.done)  # what it runs next runs after the copy
         self.settle()
 
     def finish(self):  # in the writer thread: the copy complete on the host; what failed it, or None
@@ -577,20 +576,46 @@ class HostCopy:
                           "weight edit, a buffer in forward()): call pending.wait_copy() before writing them")
         return self.error
 
-def _host_buffer(key, t, pinned):  # made for the first save (or prepare_async()), reused while t keeps its layout
-    buf = _buffers.get(key)
-    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-        buf = _buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
-    return buf
+def _cuda_device(sources):  # the one CUDA device of the tensors copied, or None
+    devices = {t.device for t in sources.values() if t.is_cuda}
+    if len(devices) > 1:
+        raise CheckpointError(f"an async save copies from one CUDA device per rank, not {sorted(map(str, devices))}")
+    return devices.pop() if devices else None
+
+def _host_views(sources, pinned):
+    """A view by key into one host allocation for the whole state, made for its layout, reused while the layout
+    holds. One allocation, page-locked by cudaHostRegister with CUDA: the pinned-memory allocator would round each
+    tensor up to a power of two (up to twice the state) and keep the memory after close()."""
+    layout = {key: (t.shape, t.dtype) for key, t in sources.items()}
+    if _host.get("layout") != layout:
+        _host.clear()  # the old one is unlocked now (no copy is in flight), freed with its last view
+        offsets, total = {}, 0
+        for key, t in sources.items():
+            offsets[key], total = total, total + math.ceil(t.numel() * t.element_size() / 64) * 64  # aligned: any dtype
+        memory = torch.empty(total, dtype=torch.uint8)
+        if pinned and total:
+            _page_lock(memory)
+        elif not pinned:
+            memory.zero_()  # its pages made now, not while a copy waits for them
+        views = {key: memory[offsets[key]: offsets[key] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                 for key, t in sources.items()}
+        _host.update(layout=layout, memory=memory, views=views)
+    return _host["views"]
+
+def _page_lock(memory):  # so that the device copies into it beside the loop; unlocked when the tensor is freed
+    cudart = torch.cuda.cudart()
+    error = int(cudart.cudaHostRegister(memory.data_ptr(), memory.numel(), 1))  # 1: cudaHostRegisterPortable
+    if error:
+        raise RuntimeError(f"cudaHostRegister of {memory.numel()} bytes of host memory failed: cudaError {error}")
+    weakref.finalize(memory, cudart.cudaHostUnregister, memory.data_ptr())
 
 def _make_buffers(sources):  # prepare_async()'s thread
-    cuda = next((t.device for t in sources.values() if t.is_cuda), None)
     try:
-        if cuda is not None:
-            torch.cuda.set_device(cuda)  # a new thread's is device 0, where another rank's GPU would get a context
-        for key, t in sources.items():
-            _host_buffer(key, t, pinned=cuda is not None).zero_()  # zero_(): its pages exist before a copy needs them
-    except Exception as e:  # the first save makes what is missing, or fails naming why
+        device = _cuda_device(sources)
+        if device is not None:
+            torch.cuda.set_device(device)  # a new thread's is device 0, where another rank's GPU would get a context
+        _host_views(sources, pinned=device is not None)
+    except Exception as e:  # the first save makes them, or fails naming why
         log.warning("prepare_async(): making the host buffers failed: %s", _describe(e))
 
 def _join_buffers():
@@ -599,6 +624,8 @@ def _join_buffers():
 
 def _write_and_commit(flat, c, copy=None):  # steps 4-6 on every rank; in a background thread for an async save
     try:
+        if copy is not None and copy.device is not None:  # this thread's device (a new thread's is device 0)
+            torch.cuda.set_device(copy.device)
         if copy is not None:  # every rank learns of any rank's failed copy: nobody enters DCP's plan alone
             _vote(c.group, f"save of step {c.step}: copy the state to host memory", copy.finish())
         host = copy.host if copy is not None else {}
@@ -614,7 +641,8 @@ def _write_and_commit(flat, c, copy=None):  # steps 4-6 on every rank; in a back
 
 def _write(flat, digests, host, tmp, group):
     """Step 4: DCP writes every rank's files; then this rank CRCs its share from the page cache (not DCP's stream)."""
-    writer = dcp.FileSystemWriter(tmp, sync_files=True)  # fsync: "committed" must mean "on disk"
+    # fsync: "committed" must mean "on disk". Host copies: no copy-ahead loader (its CUDA stream syncs, for nothing).
+    writer = dcp.FileSystemWriter(tmp, sync_files=True, **({"per_thread_copy_ahead": 0} if host else {}))
     planner = AgreeingSavePlanner(digests, host)
     _dcp(dcp.save, flat, storage_writer=writer, planner=planner, process_group=group)
     names = _share(os.listdir(tmp))

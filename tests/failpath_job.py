@@ -792,13 +792,6 @@ def scen_load_user_load_state_dict(root):
     return injected(root, 0, "the user's load_state_dict()", kind="load", box_fail="load_state_dict")
 
 
-class NoHostMemory(dict):
-    """ckpt._buffers on the failing rank: a host buffer cannot be made (pinned or host memory exhausted)."""
-
-    def __setitem__(self, key, value):
-        raise RuntimeError("out of host memory while copying to host (injected)")
-
-
 def scen_save_stage_async(root):
     """async_save=True and the copy to host memory (HostCopy, in its thread) fails on rank 1, e.g. out of host
     memory: rank 0 has copied. Then an async save, a save and a load on the same ranks."""
@@ -806,7 +799,8 @@ def scen_save_stage_async(root):
     train(model, opt, 1)
     ckpt.save(root, 1, model, opt, timeout=HOUR)
     train(model, opt, 2)
-    with patched("_buffers", 1, NoHostMemory()):
+    # ckpt._host_views on rank 1: its host memory cannot be made (pinned or host memory exhausted)
+    with patched("_host_views", 1, raiser(RuntimeError("out of host memory while copying to host (injected)"))):
         r = expect_failure(lambda: ckpt.save(root, 2, model, opt, async_save=True, timeout=HOUR).wait())
     out = {"fail_rank": 1, "where": "the copy to host memory", **r,
            "committed_after_failure": ckpt.committed_steps(root)}

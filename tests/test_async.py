@@ -292,7 +292,7 @@ gate["fail_rank"] = None
 ckpt.close()  # drops the buffers the saves above made
 model, opt = build(3)
 ckpt.prepare_async(model, opt).join()
-made = dict(ckpt._buffers)
+made = dict(ckpt._host["views"])
 at_save = snapshot(model, opt)
 pending = save_then_modify(3, model, opt, "prepared")
 pending.wait()

@@ -22,12 +22,14 @@ import collections
 import json
 import os
 import shutil
+import threading
 import time
 
 from tests import launch  # first: its warm rank processes import torch while this one does
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import ckpt
 from tests import explicit_job
@@ -179,6 +181,41 @@ def test_tensor_options_and_a_root_claimed_without_a_lock(tmp_path, plain):
     assert isinstance(lr, torch.Tensor) and lr.item() == opt.param_groups[0]["lr"].item()
     fresh(torch.randn(4, 3)).sum().backward()
     fresh_opt.step()
+
+
+def test_async_save_keeps_a_tensor_option_as_at_save(tmp_path, plain, monkeypatch):
+    """A tensor inside a value (lr=torch.tensor(...), which an LR scheduler updates in place with fill_) is pickled
+    at the write, in the background: an async save must write the option as it was at save(), not as it is when
+    the writer gets to it. The write is held until three steps and scheduler steps (lr halved each) went by."""
+    gate, real_write = threading.Event(), dcp.FileSystemWriter.write_data
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", lambda *a: gate.wait(60) and real_write(*a))
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step(model, opt, sched):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+
+    model, opt, sched = build()
+    step(model, opt, sched)
+    at_save = opt.param_groups[0]["lr"].item()
+    pending = ckpt.save(tmp_path / "root", 1, model, opt, {"sched": sched}, async_save=True)
+    for _ in range(3):
+        step(model, opt, sched)
+    gate.set()
+    pending.wait()
+    fresh, fresh_opt, fresh_sched = build()
+    ckpt.load(tmp_path / "root", fresh, fresh_opt, {"sched": fresh_sched})
+    loaded = fresh_opt.param_groups[0]["lr"].item()
+    print(f"\nlr at save {at_save}, after 3 more steps {opt.param_groups[0]['lr'].item()}, loaded {loaded}; "
+          f"scheduler's last lr loaded {fresh_sched.get_last_lr()}")
+    assert at_save == pytest.approx(0.005) and opt.param_groups[0]["lr"].item() == pytest.approx(0.000625)
+    assert loaded == at_save and [float(lr) for lr in fresh_sched.get_last_lr()] == [at_save]
 
 
 def test_only_exact_containers(tmp_path, plain):
