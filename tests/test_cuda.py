@@ -132,6 +132,7 @@ def scenario_async(d, device):
         moved = max((now[k] - want[k]).abs().max().item() for k in want if k.startswith("model."))  # the weights
         differ, worst = compare(want, state_of(*resumed(path, build, make_optimizer)))
         result["saves"].append({"step": step, "keys": len(want), "differ": differ, "max_abs": worst, "moved": moved})
+    result["page_locked"] = ckpt._host["memory"].is_pinned()  # cudaHostRegister'd: the copies run beside the loop
     backward()
     want = state_of(model, optimizer)
     pending = ckpt.save(root, 4, model, optimizer, async_save=True)
@@ -279,6 +280,8 @@ def test_async_save_then_step(async_result):
               f"{save['moved']:.3e}")
         assert save["moved"] > 0, "the steps after save() changed nothing: the test would prove nothing"
         assert not save["differ"] and save["max_abs"] == 0, f"the checkpoint is not the state at save(): {save}"
+    print(f"host memory of the copies page-locked: {async_result['page_locked']}")
+    assert async_result["page_locked"], "a copy into pageable memory blocks the host: the loop waits for it"
 
 
 def test_in_place_write_after_async_save(async_result):
