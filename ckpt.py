@@ -583,21 +583,23 @@ def _cuda_device(sources):  # the one CUDA device of the tensors copied, or None
     return devices.pop() if devices else None
 
 def _host_views(sources, pinned):
-    """A view by key into one host allocation for the whole state, made for its layout, reused while the layout
+    """A tensor by key in one host allocation for the whole state, made for its layout, reused while the layout
     holds. One allocation, page-locked by cudaHostRegister with CUDA: the pinned-memory allocator would round each
-    tensor up to a power of two (up to twice the state) and keep the memory after close()."""
+    tensor up to a power of two (up to twice the state) and keep the memory after close(). Each tensor owns exactly
+    its bytes of it (a slice of its storage): DCP would copy a view of a larger storage before writing it."""
     layout = {key: (t.shape, t.dtype) for key, t in sources.items()}
     if _host.get("layout") != layout:
-        _host.clear()  # the old one is unlocked now (no copy is in flight), freed with its last view
+        _host.clear()  # the old one is unlocked now (no copy is in flight), freed with its last tensor
         offsets, total = {}, 0
         for key, t in sources.items():
-            offsets[key], total = total, total + math.ceil(t.numel() * t.element_size() / 64) * 64  # aligned: any dtype
+            offsets[key], total = total, total + math.ceil(t.nbytes / 64) * 64  # aligned for any dtype
         memory = torch.empty(total, dtype=torch.uint8)
         if pinned and total:
             _page_lock(memory)
         elif not pinned:
             memory.zero_()  # its pages made now, not while a copy waits for them
-        views = {key: memory[offsets[key]: offsets[key] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        storage = memory.untyped_storage()
+        views = {key: torch.empty(0, dtype=t.dtype).set_(storage[offsets[key]: offsets[key] + t.nbytes], 0, t.shape)
                  for key, t in sources.items()}
         _host.update(layout=layout, memory=memory, views=views)
     return _host["views"]
