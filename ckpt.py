@@ -538,6 +538,9 @@ class HostCopy:
                 torch.cuda.set_device(self.device)
                 torch.cuda.set_stream(self.stream)
                 self.stream.wait_event(self.ready)
+            devices = sorted({str(t.device) for t in self.sources.values() if t.is_cuda})
+            if len(devices) > 1:  # its copies would run on another device's stream, unordered with ours
+                raise CheckpointError(f"an async save copies from one CUDA device per rank, not {devices}")
             _join_buffers()
             views = _host_views(self.sources, pinned=self.stream is not None)
             for key, t in self.sources.items():
@@ -545,11 +548,11 @@ class HostCopy:
                 if t.is_cuda:
                     t.record_stream(self.stream)  # its memory is not reused until the copy has read it
             self.host = views
+            if self.stream is not None:
+                self.done.record(self.stream)
         except Exception as e:
             self.error = f"copy to host memory: {_describe(e)}"
         finally:
-            if self.stream is not None:  # also after a failure: a write waits for the copies that were queued
-                self.done.record(self.stream)
             self.copied.set()
         try:
             if self.done is not None and self.error is None:
@@ -576,11 +579,8 @@ class HostCopy:
                           "weight edit, a buffer in forward()): call pending.wait_copy() before writing them")
         return self.error
 
-def _cuda_device(sources):  # the one CUDA device of the tensors copied, or None
-    devices = {t.device for t in sources.values() if t.is_cuda}
-    if len(devices) > 1:
-        raise CheckpointError(f"an async save copies from one CUDA device per rank, not {sorted(map(str, devices))}")
-    return devices.pop() if devices else None
+def _cuda_device(sources):  # the CUDA device of the tensors copied (HostCopy.copy() refuses several), or None
+    return next((t.device for t in sources.values() if t.is_cuda), None)
 
 def _host_views(sources, pinned):
     """A tensor by key in one host allocation for the whole state, made for its layout, reused while the layout
