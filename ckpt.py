@@ -214,10 +214,10 @@ def check_root(root, model, *, rollback_to=None, lock=True, timeout=DEFAULT_TIME
     _check_shared(group, os.path.join(root, OWNER))
 
 def prepare_async(model, optimizer=None, extra=None, *, rng=True):
-    """Make the host buffers of async saves now, in a thread beside the loop, and return the thread: the first async
-    save then blocks no longer than the later ones (pinned memory takes seconds per 5 GB). Call it on every rank with
+    """Make the host memory of async saves now, in a thread beside the loop, and return the thread: the first async
+    save then blocks no longer than the later ones (page-locking takes seconds per 5 GB). Call it on every rank with
     what save() will be given, once the optimizers hold state (after a step or a resume); not collective. A save that
-    comes first waits for it; a key it did not foresee gets its buffer from that save."""
+    comes first waits for it; a save of a state laid out otherwise (other keys, shapes, dtypes) makes its own."""
     wait_pending()  # its copy uses the buffers
     _join_buffers()
     sources = HostCopy.sources_of(_collect(0, None, model, _as_list(optimizer), extra, rng, None).flat)
