@@ -23,6 +23,8 @@ Faults, in the order of a save (ckpt.py's docstring: 4. write, 5. commit, 6. ret
                         FAULT_WORKERS=take_sigterm (a control), DataLoader workers get no worker_init_fn: they keep
                         SIGTERM's default action, death
 
+Any fault: FAULT_WORKER_POLL=S makes DataLoader workers check every S seconds (torch: 5) that their rank lives.
+
 Evidence for the test goes to FAULT_DIR: pid.<rank>, fired.<rank> (the fault happened, so a passing test really
 exercised it), error.<rank> (the exception a rank died with) and exit.<rank> (the exit code of a rank that returned).
 """
@@ -201,6 +203,14 @@ if FAULT == "preempt":
             real_init(self, *args, **kwargs)
 
         torch.utils.data.DataLoader.__init__ = without_worker_init
+
+if os.environ.get("FAULT_WORKER_POLL"):
+    # DataLoader workers forked after ckpt's gloo group exists (a resumed run) hold its sockets: a SIGKILLed rank's
+    # peers see it gone only once its orphaned workers exit, which they check every MP_STATUS_CHECK_INTERVAL
+    # seconds (torch: 5). FAULT_WORKER_POLL: that interval, shorter (the workers stay; they notice sooner).
+    import torch.utils.data._utils.worker
+
+    torch.utils.data._utils.worker.MP_STATUS_CHECK_INTERVAL = float(os.environ["FAULT_WORKER_POLL"])
 
 note("pid", os.getpid())
 sys.argv = [TRAIN] + sys.argv[1:]

@@ -17,6 +17,10 @@ rank's gc.collect() does not walk them: they are all modules and never garbage.
 
     job = start(["train_fsdp.py", "--steps", "4"], env={...})    # job.pids: the ranks' process ids
     rc, out = job.wait(timeout=60)                               # rc: 0 if every rank exited 0; job.rcs: each
+
+A job ends any job still running when it starts (one its test left behind), and its rank r comes from zygote r.
+Jobs meant to run at once (a fixture's concurrent launches, from threads) are started with beside=True: such a job
+leaves the running ones alone and takes zygotes that run no rank now, starting more if there are too few.
 """
 
 import atexit
@@ -27,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,13 +135,26 @@ class _Zygote:
 
 
 _zygotes = []
-_running = []  # the job whose ranks are alive, at most one: each zygote runs one rank at a time
+_running = []  # the jobs whose ranks are alive: one, or several started with beside=True
+_lock = threading.Lock()  # jobs started with beside=True may be started from several threads
 
 
 def _zygote(rank):
     while len(_zygotes) <= rank:
         _zygotes.append(_Zygote())
     return _zygotes[rank]
+
+
+def _idle(n):
+    """n zygotes that run no rank of a running job (each zygote runs one rank at a time), lowest first."""
+    busy = {id(z) for job in _running for z, rc in zip(job.zygotes, job.rcs) if rc is None}
+    idle, r = [], 0
+    while len(idle) < n:
+        z = _zygote(r)
+        if id(z) not in busy:
+            idle.append(z)
+        r += 1
+    return idle
 
 
 @atexit.register
@@ -163,10 +181,11 @@ warm()  # at import: the zygotes import torch while the importing test module do
 class Job:
     """The ranks of one job: pids, rcs (exit codes, None while running), cpu (CPU seconds of each rank)."""
 
-    def __init__(self, argv, nproc, env, out, cwd):
-        for job in _running:  # a job its test left running (it failed before wait()): end it first
-            job.kill()
-            job.wait(30)
+    def __init__(self, argv, nproc, env, out, cwd, beside=False):
+        if not beside:
+            for job in list(_running):  # a job its test left running (it failed before wait()): end it first
+                job.kill()
+                job.wait(30)
         env = dict(os.environ if env is None else env)
         env.setdefault("OMP_NUM_THREADS", "1")
         from torch.distributed import TCPStore  # here: the zygotes start before this process imports torch
@@ -178,9 +197,10 @@ class Job:
         self.argv, self.env, self.out, self.t0 = argv, env, out, time.monotonic()
         self.pids, self.rcs, self.cpu = [], [None] * nproc, [None] * nproc
         open(out, "w").close()
-        _running.append(self)
-        for rank in range(nproc):
-            z = _zygote(rank)
+        with _lock:
+            self.zygotes = _idle(nproc) if beside else [_zygote(rank) for rank in range(nproc)]
+            _running.append(self)
+        for rank, z in enumerate(self.zygotes):
             z.send({"argv": argv, "env": dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), "out": out, "cwd": cwd})
             started = z.reply(120)  # the first job waits for the zygotes' imports
             if started is None:
@@ -201,11 +221,12 @@ class Job:
         per = timeout / max(1, self.rcs.count(None))
         for r, rc in enumerate(self.rcs):
             if rc is None and r < len(self.pids):
-                got = _zygotes[r].reply(per)
+                got = self.zygotes[r].reply(per)
                 if got is not None:
                     self.rcs[r], self.cpu[r] = got["rc"], got["cpu"]
         if None not in self.rcs and self in _running:
-            _running.remove(self)
+            with _lock:
+                _running.remove(self)
         return None not in self.rcs
 
     def wait(self, timeout=120, check=False):
@@ -235,14 +256,15 @@ class Job:
         return rc, output
 
 
-def start(argv, nproc=2, env=None, out=None, cwd=REPO):
-    """Start `python argv...` as nproc ranks; out: the file both ranks' output goes to."""
+def start(argv, nproc=2, env=None, out=None, cwd=REPO, beside=False):
+    """Start `python argv...` as nproc ranks; out: the file both ranks' output goes to. beside=True: beside the
+    jobs running now (on other zygotes), instead of ending them."""
     if out is None:
         fd, out = tempfile.mkstemp(prefix="launch-", suffix=".log")
         os.close(fd)
-    return Job([str(a) for a in argv], nproc, env, str(out), cwd)
+    return Job([str(a) for a in argv], nproc, env, str(out), cwd, beside)
 
 
-def run(argv, nproc=2, env=None, timeout=120, check=True, out=None):
+def run(argv, nproc=2, env=None, timeout=120, check=True, out=None, beside=False):
     """Start a job and wait for it: (rc, output)."""
-    return start(argv, nproc, env, out).wait(timeout, check)
+    return start(argv, nproc, env, out, beside=beside).wait(timeout, check)

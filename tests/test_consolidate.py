@@ -21,6 +21,8 @@ import runpy
 import shutil
 import sys
 
+from tests import launch  # first: its warm rank processes import torch while this one does
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ from torch.utils.data import default_collate
 import ckpt
 import consolidate
 import train_fsdp
-from tests.harness import REPO, SMALL, TRAIN, read_log, run, torchrun
+from tests.harness import REPO, SMALL, TRAIN, read_log
 
 # --dropout 0: the first loss of a run is then a plain function of (weights, batch at data position 0).
 ARGS = SMALL + ["--seed", "11", "--dropout", "0"]
@@ -42,10 +44,11 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 2-rank FSDP2 run that saves at steps 3 and 6: the root's newest checkpoint is step 6."""
+    """A 2-rank FSDP2 run that saves at steps 3 and 6: the root's newest checkpoint is step 6. Its ranks are forked
+    from warm processes (tests/launch.py, torchrun's environment): the launcher is not what this file tests."""
     d = tmp_path_factory.mktemp("trained")
-    torchrun(ARGS + ["--steps", str(STEPS), "--save-every", "3", "--ckpt-dir", str(d / "ckpt"),
-                     "--log-file", str(d / "log.jsonl")])
+    launch.run([TRAIN, *ARGS, "--steps", STEPS, "--save-every", 3, "--ckpt-dir", d / "ckpt",
+                "--log-file", d / "log.jsonl"], timeout=180)
     assert ckpt.committed_steps(d / "ckpt") == [3, STEPS]
     return d
 
@@ -167,8 +170,9 @@ def test_init_from_round_trip(trained, reference, sharded_out, tmp_path):
     An --init-from run starts at data position 0, so its first logged loss is the forward pass of the loaded
     weights on the batch at position 0 (logged before the optimizer step; --dropout 0 makes it deterministic).
     The saved model's loss on that batch is computed here, with train_fsdp.LlamaLM and the reference weights.
-    The --init-from run is one process (FSDP2 over a world of one, the same global batch; the export was made
-    from 2 ranks' shards): a 2-rank torchrun took 2.4x its CPU time (17.9 s against 7.3 s), too much for the budget.
+    The --init-from run is one rank (FSDP2 over a world of one, the same global batch; the export was made
+    from 2 ranks' shards), forked from a warm process (tests/launch.py): a 2-rank torchrun took 2.4x the CPU time of
+    a plain process (17.9 s against 7.3 s), too much for the budget.
     Control: the training run's own step-1 loss is that same batch under the seed's random init, the value
     an --init-from that silently loaded nothing would log; it must be far from the reference.
     """
@@ -177,8 +181,8 @@ def test_init_from_round_trip(trained, reference, sharded_out, tmp_path):
     with torch.no_grad():
         want = F.cross_entropy(model(x).float().view(-1, args.vocab_size), y.reshape(-1)).item()
     out, _ = sharded_out
-    run([sys.executable, TRAIN, *ARGS, "--steps", "1", "--save-every", "0", "--init-from", str(out),
-         "--ckpt-dir", str(tmp_path / "ckpt"), "--log-file", str(tmp_path / "log.jsonl")])
+    launch.run([TRAIN, *ARGS, "--steps", 1, "--save-every", 0, "--init-from", out, "--ckpt-dir", tmp_path / "ckpt",
+                "--log-file", tmp_path / "log.jsonl"], nproc=1, timeout=180)
     got = read_log(tmp_path / "log.jsonl")[1]["loss"]
     untrained = read_log(trained / "log.jsonl")[1]["loss"]
     print(f"\nfirst loss after --init-from {got:.7f}, saved model on batch 0 {want:.7f}: |d| = {abs(got - want):.2e}; "

@@ -14,9 +14,10 @@ different save/load arguments taking different collective paths; a timeout that 
 >= 10**8 ordered by name; a Ctrl-C in PendingSave.wait() losing the save.
 
 Few launches, run concurrently (most of each is start-up and waiting): the main 2-rank job of
-tests/failpath_job.py runs the scenarios and is also the live run holding a root; a second one runs the
-scenarios that mostly wait (timeouts); train_fsdp.py (plain python, one rank) is launched on the held root as a
-second run, and runs twice for --resume-from. Each test asserts and prints one scenario's figures.
+tests/failpath_job.py (its ranks forked from warm processes, tests/launch.py: no torch import) runs the scenarios
+and is also the live run holding a root; a second one, under torchrun, runs the scenarios that mostly wait
+(timeouts); train_fsdp.py (one rank, forked the same way) is launched on the held root as a second run, and runs
+twice for --resume-from. Each test asserts and prints one scenario's figures.
 
     python -m pytest -v -s tests/test_failpaths.py
 """
@@ -27,14 +28,14 @@ import re
 import threading
 import time
 
-import sys
+from tests import launch  # first: its warm rank processes import torch while this one does
 
 import pytest
 
-from tests.harness import REPO, SMALL, TRAIN, read_log, run, torchrun
+from tests.harness import REPO, SMALL, TRAIN, read_log, torchrun
 
 JOB = os.path.join(REPO, "tests", "failpath_job.py")
-ROLLBACK = ".rollback-to-"  # ckpt.ROLLBACK: this process does not import ckpt (nor torch)
+ROLLBACK = ".rollback-to-"  # ckpt.ROLLBACK: this process does not import ckpt
 BOUND = 30  # seconds: every rank must have raised by then, while the checkpoint timeout is an hour
 
 
@@ -50,10 +51,16 @@ def jobs(tmp_path_factory):
     launched = {"main": {}, "waiting": {}}
     second, resume = {"rc": None, "out": "", "secs": 0.0}, {}
 
-    def run_job(name, args):
+    def run_job(name, args):  # main: warm ranks, beside the plain runs; the other under torchrun
         t = time.monotonic()
-        rc, out = torchrun([str(d / f"{name}_out"), str(d / f"{name}_work"), *args], script=JOB, check=False,
-                           timeout=420)
+        argv = [str(d / f"{name}_out"), str(d / f"{name}_work"), *args]
+        try:
+            if name == "main":
+                rc, out = launch.start([JOB, *argv], out=d / "main_output.txt", beside=True).wait(timeout=420)
+            else:
+                rc, out = torchrun(argv, script=JOB, check=False, timeout=420)
+        except AssertionError as e:  # killed at its time limit: the tests fail on its missing results
+            rc, out = None, str(e)
         launched[name].update(rc=rc, out=out, secs=time.monotonic() - t)
 
     def run_resume():  # train_fsdp.py, then again with --resume-from an older step (a relaunched run)
@@ -109,10 +116,11 @@ def jobs(tmp_path_factory):
 
 
 def plain(args):
-    """`python train_fsdp.py ARGS`: a world of one (one process, where torchrun starts three, each importing
-    torch: on 2 cores that is most of these tests' time). What these runs check does not depend on the world
-    size; test_resume.py resumes at 2 ranks."""
-    return run([sys.executable, TRAIN, *args], check=False, timeout=300)
+    """`train_fsdp.py ARGS` in a world of one: one rank forked from a warm process (tests/launch.py), beside the
+    fixture's other jobs (torchrun starts three processes, python one, each importing torch: on 2 cores that is
+    most of these tests' time). What these runs check does not depend on the world size or the launcher;
+    test_resume.py resumes at 2 ranks under torchrun."""
+    return launch.run([TRAIN, *args], nproc=1, check=False, timeout=300, beside=True)
 
 
 def scenario(jobs, name):

@@ -45,8 +45,10 @@ def fault_run(d, name, fault, rank, step, args, delay=0.0, timeout=90):
     """One 2-rank job of train_fsdp.py under tests/inject.py; evidence in d/<name>/."""
     ev = d / name
     ev.mkdir()
+    # FAULT_WORKER_POLL: a killed rank's DataLoader workers, which hold its gloo sockets, exit 0.5 s after it
+    # (torch's 5 s would be most of a kill's run); its peer must still fail by itself, well before launch.GRACE.
     env = dict(os.environ, FAULT=fault, FAULT_RANK=str(rank), FAULT_STEP=str(step), FAULT_DELAY=str(delay),
-               FAULT_DIR=str(ev))
+               FAULT_DIR=str(ev), FAULT_WORKER_POLL="0.5")
     t0 = time.monotonic()
     job = launch.start([INJECT, *args], env=env, out=ev / "output.txt")
     rc, out = job.wait(timeout)

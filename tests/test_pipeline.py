@@ -12,10 +12,11 @@ data position as extras, an EMA per stage and dropout. Each test guards against 
     resumed as plain ones and back: optimizer state that was a DTensor comes back a plain tensor, and back);
   * two stages' different state stored under one name, one copy silently kept: it must be refused.
 
-How they launch: the 2-rank pipeline (pp=2) by torchrun itself, as users launch it; the 4-rank layouts by
-tests/launch.py (torchrun's environment, ranks forked from processes that imported torch once: seconds less
-per job on 2 cores). Each run is a few steps of a tiny model; the reshard runs are chained (4 ranks -> 2 at
-step 4 -> 4 at step 8) against one uninterrupted 4-rank run. About a minute in all on 2 cores.
+How they launch: the 2-rank pipeline's (pp=2) stopped and resumed runs by torchrun itself, as users launch it;
+its uninterrupted reference, the refused 2-rank save and the 4-rank layouts by tests/launch.py (torchrun's
+environment, ranks forked from processes that imported torch once: seconds less per job on 2 cores). Each run is
+a few steps of a tiny model; the reshard runs are chained (4 ranks -> 2 at step 4 -> 4 at step 8) against one
+uninterrupted 4-rank run. About a minute in all on 2 cores.
 
     python -m pytest -q -s tests/test_pipeline.py
 """
@@ -96,9 +97,9 @@ def check_exact(ref, resumed, ref_root, resumed_root):
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
-    """2 ranks, pp=2, launched by torchrun: uninterrupted 8 steps; and stopped after 4, then resumed."""
+    """2 ranks, pp=2: uninterrupted 8 steps (warm ranks); and stopped after 4, then resumed, launched by torchrun."""
     d = tmp_path_factory.mktemp("pp2")
-    ref, _ = run(d / "ref", 2, warm=False)
+    ref, _ = run(d / "ref", 2)
     run(d / "resumed", 2, flags=["--stop-after", "4"], warm=False)
     resumed, _ = run(d / "resumed", 2, flags=["--resume"], warm=False)
     return d, ref, resumed
@@ -247,9 +248,8 @@ def test_stages_colliding_extra_refused(tmp_path, nproc, ranks):
     """Every stage passes its EMA under one name: guards against a checkpoint that keeps one stage's copy of a
     key and silently drops the other's (a resume would load stage 0's EMA skeleton into stage 1). save() must
     fail on every rank with a CheckpointError naming the key and the ranks on each side (the dp ranks of a stage
-    agree), with advice for pipeline stages, and commit nothing. 2 ranks by torchrun, pp=2 x dp=2 warm."""
-    rc, log, out = run(tmp_path, nproc, steps=2, flags=["--collide", "--save-every", "0"], check=False,
-                       warm=nproc == 4)
+    agree), with advice for pipeline stages, and commit nothing. Both layouts on warm ranks."""
+    rc, log, out = run(tmp_path, nproc, steps=2, flags=["--collide", "--save-every", "0"], check=False)
     errors = dict(re.findall(r"^(?:\[rank(\d+)\]: )?ckpt\.CheckpointError: (.*)$", out, re.MULTILINE))
     shown = f"rank 0: {errors['0']}" if "0" in errors else "no CheckpointError"
     print(f"\n--collide on {nproc} ranks: exit {rc}, CheckpointError on rank(s) {', '.join(sorted(errors))}; {shown}")

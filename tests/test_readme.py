@@ -13,8 +13,10 @@ import re
 import shlex
 import sys
 
-import ckpt
-from tests.harness import REPO, run
+from tests import launch  # first: its warm rank processes import torch while this one does
+
+import ckpt  # noqa: E402
+from tests.harness import REPO, run  # noqa: E402
 
 README = open(os.path.join(REPO, "README.md")).read()
 
@@ -78,7 +80,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
 opt = torch.optim.AdamW(model.parameters(), lr=0.1)
 ema = EMA(model, decay=0.5)
-for step in range(1, 4):  # a plain process, no process group: a world of one
+for step in range(1, 4):  # no process group: a world of one
     model(torch.randn(8, 4)).square().mean().backward()
     opt.step()
     opt.zero_grad()
@@ -97,15 +99,17 @@ print("RESULT", json.dumps({{"step": step, "dweights": weights, "dshadow": shado
 
 
 def test_recipes_run(tmp_path):
-    """The README's EMA class and evaluation loop, as written, in a plain process: an EMA saved with the model and
-    the optimizer comes back into a fresh model's EMA; the loop loads the newest step's weights and EMA and returns
-    the step it loaded. Guards against recipes that do not run, or do not restore what they promise."""
+    """The README's EMA class and evaluation loop, as written, in a process without a process group (one rank
+    forked from a warm interpreter, tests/launch.py: torch imported already; the script starts no group): an EMA
+    saved with the model and the optimizer comes back into a fresh model's EMA; the loop loads the newest step's
+    weights and EMA and returns the step it loaded. Guards against recipes that do not run, or do not restore what
+    they promise."""
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     code = "\n".join(b for b in blocks if "class EMA" in b or "def newest(" in b)
     assert code.count("class EMA") == 1 and code.count("def newest(") == 1, "the README lost a recipe"
     script = tmp_path / "recipes.py"
     script.write_text(RECIPES.format(repo=REPO, code=code))
-    _, out = run([sys.executable, str(script), str(tmp_path / "root")], timeout=120)
+    _, out = launch.run([script, tmp_path / "root"], nproc=1, timeout=120)
     got = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     print(f"\nrecipes: newest() loaded step {got['step']}; max |dweights| {got['dweights']}, max |dshadow| "
           f"{got['dshadow']}, decay {got['decay']}")

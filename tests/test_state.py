@@ -7,8 +7,8 @@ to fix, and a save that silently rewrites or rewinds the step it continues from.
 
 The single-process tests build a small FSDP2 model at world size 1. The 2-rank scenarios (several optimizers,
 an EMA lazy or eager at load, an optimizer passed as an extra, DTensors in extras, refusals on every rank) run in
-ONE torchrun job, tests/state_job.py, launched once for the module; each test below asserts on its part of the
-job's RESULT line.
+ONE 2-rank job, tests/state_job.py (ranks forked from warm processes, tests/launch.py), launched once for the
+module; each test below asserts on its part of the job's RESULT line.
 
     python -m pytest -q -s tests/test_state.py
 """
@@ -16,8 +16,9 @@ job's RESULT line.
 import dataclasses
 import io
 import os
-import threading
 import time
+
+from tests import launch  # first: its warm rank processes import torch while this one does
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 import ckpt
 from tests import state_job
-from tests.harness import REPO, scenarios_result, torchrun
+from tests.harness import REPO, scenarios_result
 
 np = pytest.importorskip("numpy")  # numpy is in requirements.txt (torch's object collectives need it)
 
@@ -417,35 +418,35 @@ def test_misuse_is_named_with_its_fix(tmp_path):
 
 @pytest.fixture(scope="module", autouse=True)
 def job_launch(request, tmp_path_factory):
-    """Starts tests/state_job.py in a thread as the module starts (if a selected test needs it): its start-up
-    (torchrun, then each rank, imports torch) overlaps the single-process tests."""
+    """Starts tests/state_job.py as the module starts (if a selected test needs it): it runs while the
+    single-process tests do."""
     wanted = any("job" in item.fixturenames for item in request.session.items if item.module is request.module)
     if not wanted:
         yield None
         return
-    d, launched = tmp_path_factory.mktemp("state_job"), {}
+    d = tmp_path_factory.mktemp("state_job")
+    job = launch.start([JOB, d / "work", d / "out"], out=d / "output.txt")
+    state = {"dir": d, "job": job, "launched": {}}
+    yield state
+    collect(state)  # no test waited for it (one failed first): it ends here, within its time limit
 
-    def launch():
-        t0 = time.monotonic()
+
+def collect(state):
+    """The job's exit code, output and seconds, once it has ended (killed 240 s after its start)."""
+    launched, job = state["launched"], state["job"]
+    if "out" not in launched:
         try:
-            launched["rc"], launched["out"] = torchrun([str(d / "work"), str(d / "out")], script=JOB, check=False,
-                                                       timeout=240)
-        except AssertionError as e:  # the harness killed it at its timeout
+            launched["rc"], launched["out"] = job.wait(timeout=240)
+        except AssertionError as e:  # killed at its time limit
             launched["rc"], launched["out"] = None, str(e)
-        launched["secs"] = time.monotonic() - t0
-
-    thread = threading.Thread(target=launch, name="state-job", daemon=True)
-    thread.start()
-    yield {"dir": d, "thread": thread, "launched": launched}
-    thread.join(timeout=300)
+        launched["secs"] = time.monotonic() - job.t0
+    return launched
 
 
 @pytest.fixture(scope="module")
 def job(job_launch):
     """tests/state_job.py once, at world size 2; {scenario: [rank 0's figures, rank 1's figures]}."""
-    job_launch["thread"].join(timeout=300)  # the harness's own timeout (240 s) ends it first
-    d, launched = job_launch["dir"], job_launch["launched"]
-    assert "out" in launched, "tests/state_job.py did not finish within 300 s"
+    d, launched = job_launch["dir"], collect(job_launch)
     rc, out = launched["rc"], launched["out"]
     result = scenarios_result(out, "state_job.py",
                               f"exit {rc} after {launched['secs']:.1f} s (launched as the module started)")
