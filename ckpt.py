@@ -59,6 +59,7 @@ Load:
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -244,7 +245,8 @@ def close():
 class PendingSave:
     """An async save: copied to host memory, then written and committed by a thread on every rank. wait_copy():
     the copy is done, anything may be written again; done(): over on this rank (committed, or failed); wait(): its
-    path once committed, or its error. The next save, load, check_root or close waits for it."""
+    path once committed, or its error. The next save, load, check_root, prepare_async or close waits for it, and
+    raises its error unless wait() did. Training goes on meanwhile: poll done() to learn of a failure sooner."""
     def __init__(self, copy, job, hooks):
         self.copy, self.job, self.hooks = copy, job, hooks  # job: a Future of _write_and_commit()
 
@@ -505,21 +507,27 @@ Commit = collections.namedtuple("Commit", "root step tmp manifest group keep has
 
 class HostCopy:
     """An async save's tensors copied to host memory beside the loop: one rule on every device, copy on the side
-    and wait before the next write. A thread copies into buffers made once (by prepare_async(), else here) and
-    reused; CUDA tensors on a side stream, after the work that made them (an event), the rest in the thread.
-    release() is the wait before a write: an optimizer's step (on CUDA its stream waits, the host does not), a ckpt
-    call, PendingSave.wait_copy(). A tensor written in place before then (its Tensor._version) fails the save by
-    name: a check, blind to writes through .data, a DTensor's to_local() or a fused kernel (wait_copy() first)."""
+    and wait before the next write. A thread copies into host memory made once per layout of the state (by
+    prepare_async(), else here); CUDA tensors on a side stream, after the work that made them (an event), the rest
+    in the thread. release() is the wait before a write: an optimizer's step, a ckpt call, PendingSave.wait_copy().
+    Its host waits until the copies are queued (and for the memory, if it is made here); on CUDA its stream then
+    waits for them to land, the host does not. A tensor written in place while the copy runs (its Tensor._version)
+    fails the save by name: a check, blind to writes through .data, a DTensor's to_local(), a fused kernel, or
+    another stream (wait_copy() first)."""
     def __init__(self, flat):
         self.sources = self.sources_of(flat)
         self.flat, self.host, self.error, self.lock, self.tensors_now = flat, {}, None, threading.Lock(), None
         self.versions = self.read_versions()
         self.device = _cuda_device(self.sources)  # the sources' (not the current device: a loop need not set it)
-        cuda = self.device is not None
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.ready = torch.cuda.current_stream(self.device).record_event() if cuda else None  # what made the values
-        self.done = torch.cuda.Event(blocking=True) if cuda else None  # its waiter sleeps, not spins a core
-        self.copied = threading.Event()
+        self.stream = self.ready = self.done = self.failed = None
+        try:  # a failure here fails the copy on every rank, at its vote, not save() on this rank alone
+            if self.device is not None:
+                self.stream = torch.cuda.Stream(self.device)
+                self.ready = torch.cuda.current_stream(self.device).record_event()  # the work that made the values
+                self.done = torch.cuda.Event(blocking=True)  # its waiter sleeps, not spins a core
+        except Exception as e:
+            self.failed = e
+        self.queued = threading.Event()  # every copy is queued (on CUDA: not yet landed, self.done says when)
         self.thread = threading.Thread(target=self.copy, name="ckpt-copy", daemon=True)
         self.thread.start()
 
@@ -534,6 +542,8 @@ class HostCopy:
 
     def copy(self):
         try:
+            if self.failed is not None:
+                raise self.failed
             if self.stream is not None:  # this thread's current device and stream (a new thread has device 0's)
                 torch.cuda.set_device(self.device)
                 torch.cuda.set_stream(self.stream)
@@ -552,27 +562,32 @@ class HostCopy:
                 self.done.record(self.stream)
         except Exception as e:
             self.error = f"copy to host memory: {_describe(e)}"
+            with contextlib.suppress(Exception):  # what was queued lands before its memory is reused or freed
+                if self.stream is not None:
+                    self.stream.synchronize()
         finally:
-            self.copied.set()
+            self.queued.set()
         try:
             if self.done is not None and self.error is None:
                 self.done.synchronize()  # this thread waits for the device, not the loop
         finally:
             self.settle()
 
-    def settle(self):  # from here on, writes are ordered after the copy: what changed before is in the copy, or not
+    def settle(self):  # the versions once the copy is over: a write counted before then raced it, later ones follow
         with self.lock:
             if self.tensors_now is None:
                 self.tensors_now = self.read_versions()
 
     def release(self):
-        self.copied.wait()
+        self.queued.wait()
         if self.done is not None and self.error is None:
             torch.cuda.current_stream(self.device).wait_event(self.done)  # what it runs next runs after the copy
         self.settle()
 
     def finish(self):  # in the writer thread: the copy complete on the host; what failed it, or None
         self.thread.join()
+        if self.device is not None and self.error is None:  # the writer's device too (a new thread's is device 0)
+            self.error = _attempt(torch.cuda.set_device, self.device).error
         changed = [k for k, v in self.tensors_now.items() if v != self.versions[k]]
         if changed and self.error is None:
             self.error = (f"{changed[:5]} were written in place while being copied to host memory (an EMA update, a "
@@ -587,9 +602,9 @@ def _host_views(sources, pinned):
     holds. One allocation, page-locked by cudaHostRegister with CUDA: the pinned-memory allocator would round each
     tensor up to a power of two (up to twice the state) and keep the memory after close(). Each tensor owns exactly
     its bytes of it (a slice of its storage): DCP would copy a view of a larger storage before writing it."""
-    layout = {key: (t.shape, t.dtype) for key, t in sources.items()}
+    layout = {key: (t.shape, t.dtype, pinned) for key, t in sources.items()}
     if _host.get("layout") != layout:
-        _host.clear()  # the old one is unlocked now (no copy is in flight), freed with its last tensor
+        _host.clear()  # the old one is unregistered now (no copy is in flight), freed with its last tensor
         offsets, total = {}, 0
         for key, t in sources.items():
             offsets[key], total = total, total + math.ceil(t.nbytes / 64) * 64  # aligned for any dtype
@@ -626,8 +641,6 @@ def _join_buffers():
 
 def _write_and_commit(flat, c, copy=None):  # steps 4-6 on every rank; in a background thread for an async save
     try:
-        if copy is not None and copy.device is not None:  # this thread's device (a new thread's is device 0)
-            torch.cuda.set_device(copy.device)
         if copy is not None:  # every rank learns of any rank's failed copy: nobody enters DCP's plan alone
             _vote(c.group, f"save of step {c.step}: copy the state to host memory", copy.finish())
         host = copy.host if copy is not None else {}

@@ -264,7 +264,7 @@ model, opt, result["staged"] = staged_roundtrip("staged")
 # made after save() in the checkpoint.
 def aliasing_copy(self):
     self.host.update(self.sources)  # a DTensor's local shard, the live tensor itself
-    self.copied.set()
+    self.queued.set()
     self.settle()
 
 
