@@ -518,9 +518,9 @@ class HostCopy:
         self.sources = self.sources_of(flat)
         self.flat, self.host, self.error, self.lock, self.tensors_now = flat, {}, None, threading.Lock(), None
         self.versions = self.read_versions()
-        self.device = _cuda_device(self.sources)  # the sources' (not the current device: a loop need not set it)
-        self.stream = self.ready = self.done = self.failed = None
+        self.device = self.stream = self.ready = self.done = self.failed = None
         try:  # a failure here fails the copy on every rank, at its vote, not save() on this rank alone
+            self.device = _cuda_device(self.sources)  # the sources' (not the current one: a loop need not set it)
             if self.device is not None:
                 self.stream = torch.cuda.Stream(self.device)
                 self.ready = torch.cuda.current_stream(self.device).record_event()  # the work that made the values
@@ -548,13 +548,10 @@ class HostCopy:
                 torch.cuda.set_device(self.device)
                 torch.cuda.set_stream(self.stream)
                 self.stream.wait_event(self.ready)
-            devices = sorted({str(t.device) for t in self.sources.values() if t.is_cuda})
-            if len(devices) > 1:  # its copies would run on another device's stream, unordered with ours
-                raise CheckpointError(f"an async save copies from one CUDA device per rank, not {devices}")
             _join_buffers()
             views = _host_views(self.sources, pinned=self.stream is not None)
             for key, t in self.sources.items():
-                views[key].copy_(t, non_blocking=t.is_cuda)  # on the stream of t's device: ours, checked above
+                views[key].copy_(t, non_blocking=t.is_cuda)  # on the stream of t's device: ours (one device)
                 if t.is_cuda:
                     t.record_stream(self.stream)  # its memory is not reused until the copy has read it
             self.host = views
@@ -594,8 +591,11 @@ class HostCopy:
                           "weight edit, a buffer in forward()): call pending.wait_copy() before writing them")
         return self.error
 
-def _cuda_device(sources):  # the CUDA device of the tensors copied (HostCopy.copy() refuses several), or None
-    return next((t.device for t in sources.values() if t.is_cuda), None)
+def _cuda_device(sources):  # the one CUDA device of the tensors copied, or None
+    devices = {t.device for t in sources.values() if t.is_cuda}
+    if len(devices) > 1:  # the copies from another device would run on its stream, unordered with ours
+        raise CheckpointError(f"an async save copies from one CUDA device per rank, not {sorted(map(str, devices))}")
+    return devices.pop() if devices else None
 
 def _host_views(sources, pinned):
     """A tensor by key in one host allocation for the whole state, made for its layout, reused while the layout
