@@ -340,7 +340,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description="Run one scenario; its result goes to DIR/result.json.")
     p.add_argument("scenario", choices=sorted(SCENARIOS))
     p.add_argument("dir")
-    p.add_argument("--device", default="cuda", help="cuda; cpu tries the scenario's logic only")
+    p.add_argument("--device", default="cuda:0", help="cuda:0; cpu tries the scenario's logic only")
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     outcome = SCENARIOS[a.scenario](a.dir, torch.device(a.device))
