@@ -232,7 +232,7 @@ def worker(args):
             profiled("ckpt.save", ops(*claimed("profile"))["ckpt save"])
             cold(files)
             profiled("ckpt.load", ops(*last)["ckpt load"])
-    elif args.phase == "async":  # 3 normal training steps; then saves, each with a step after: sync, async x3, sync
+    elif args.phase == "async":  # prepare_async beside steps, 3 normal steps, then saves: sync, async x3, sync
         t0, making, beside = time.perf_counter(), ckpt.prepare_async(model, opt), []  # as a run does, beside its loop
         while making.is_alive() or not beside:  # do the loop's CUDA calls wait while the host memory is page-locked?
             beside.append(train_step(1))
