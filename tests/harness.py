@@ -107,13 +107,18 @@ def read_log(path):
     return out
 
 
+def result_line(out, said=""):
+    """The JSON of a job's "RESULT <json>" line (rank 0 prints it); a job that printed none fails here."""
+    line = next((line for line in out.splitlines() if line.startswith("RESULT ")), None)
+    assert line, f"no RESULT line{said}:\n{out[-4000:]}"
+    return json.loads(line[len("RESULT "):])
+
+
 def scenarios_result(out, job, said):
     """The RESULT line of a job of tests/state_job.py's run_scenarios() (said: how it ended, printed with each
     scenario's seconds): {scenario: [each rank's figures]}; a missing line, a scenario that hung or a job that did
     not finish fails here."""
-    line = next((line for line in out.splitlines() if line.startswith("RESULT ")), None)
-    assert line, f"no RESULT line ({said}):\n{out[-4000:]}"
-    result = json.loads(line[len("RESULT "):])
+    result = result_line(out, f" ({said})")
     secs = {name: [r.get("secs") for r in ranks] for name, ranks in result.items() if isinstance(ranks, list)}
     print(f"\n{job}: {said}; {result.get('timing')}; seconds per scenario {secs}")
     assert "hung" not in result, f"scenario {result['hung']} hung:\n{out[-4000:]}"

@@ -19,7 +19,6 @@ processes (tests/launch.py), not started by torchrun: the same ranks and environ
 """
 
 import concurrent.futures
-import json
 import os
 import signal
 import time
@@ -29,7 +28,7 @@ import pytest
 from tests import launch  # first: its warm rank processes import torch while this one does
 
 import ckpt  # noqa: E402
-from tests.harness import REPO, SMALL, TRAIN, read_log  # noqa: E402
+from tests.harness import REPO, SMALL, TRAIN, read_log, result_line  # noqa: E402
 
 INJECT = os.path.join(REPO, "tests", "inject.py")
 STEPS = 8
@@ -318,9 +317,7 @@ def direct(tmp_path_factory):
     t0 = time.monotonic()
     _, out = launch.run([script, d / "ckpt"], timeout=90)
     print(f"\ndirect ckpt job: {time.monotonic() - t0:.1f} s")
-    line = next((l for l in out.splitlines() if l.startswith("RESULT ")), None)
-    assert line, out[-3000:]
-    return json.loads(line[len("RESULT "):])
+    return result_line(out)
 
 
 def test_staged_copy_is_isolated_from_training(direct):

@@ -16,7 +16,6 @@ from warm processes (tests/launch.py) and save with ckpt.
 
 import copy
 import itertools
-import json
 import shutil
 
 import pytest
@@ -27,7 +26,7 @@ from tests import launch  # first: its warm rank processes import torch while th
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from ckpt import Position, SkippingSampler, ignore_sigterm  # noqa: E402  (the README's import)
-from tests.harness import REPO, SMALL, TRAIN, read_log  # noqa: E402
+from tests.harness import REPO, SMALL, TRAIN, read_log, result_line  # noqa: E402
 
 JOB = f"{REPO}/tests/loader_job.py"
 EPOCH, GLOBAL_BATCH = 24, 8  # the job's data set, and its 3 steps an epoch
@@ -113,9 +112,7 @@ def test_start_wins_over_a_restored_stateful_dataloader():
 def run_ranks(root, world, *flags, steps=7, global_batch=GLOBAL_BATCH):
     """A job of tests/loader_job.py on `world` ranks: its RESULT, with {step: [rank 0's batch, ...]}."""
     _, out = launch.run([JOB, root, steps, *flags, "--global-batch", global_batch], nproc=world, timeout=120)
-    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, f"no RESULT line:\n{out[-4000:]}"
-    result = json.loads(line[len("RESULT "):])
+    result = result_line(out)
     result["batches"] = {int(s): ranks for s, ranks in result.get("batches", {}).items()}
     return result
 

@@ -16,7 +16,6 @@ Few launches (ranks are forked from warm processes, tests/launch.py, with torchr
     python -m pytest -q -s tests/test_loops.py
 """
 
-import json
 import os
 import signal
 import sys
@@ -27,17 +26,11 @@ import pytest
 from tests import launch  # first: its warm rank processes import torch while this one does
 
 import ckpt  # noqa: E402
-from tests.harness import REPO, SMALL, TRAIN, read_log, run  # noqa: E402
+from tests.harness import REPO, SMALL, TRAIN, read_log, result_line, run  # noqa: E402
 
 JOB = os.path.join(REPO, "tests", "loops_job.py")
 INJECT = os.path.join(REPO, "tests", "inject.py")
 KINDS = ["adamw", "sgd_momentum", "muon_adamw"]
-
-
-def result_line(out):
-    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, f"no RESULT line:\n{out[-4000:]}"
-    return json.loads(line[len("RESULT "):])
 
 
 def wait_for(predicate, timeout, every=0.02):
