@@ -16,13 +16,11 @@ import argparse
 import datetime
 import gc
 import glob
-import itertools
 import json
 import logging
 import math
 import os
 import random
-import signal
 import time
 
 import torch
@@ -154,7 +152,11 @@ def hf_config(args):  # the model's config.json, in the form `transformers` read
 
 
 class Samples(torch.utils.data.Dataset):
-    """Item i: global sample i as (inputs, targets), from (seed, i) alone: any world size or worker reads the same."""
+    """Item i: global sample i as (inputs, targets), from (seed, i) alone: any world size or worker reads the same.
+    An epoch is 2**20 samples (ckpt.SkippingSampler hands them out in order: each is random already)."""
+
+    def __len__(self):
+        return 1 << 20
 
     def __init__(self, args):
         self.seed, self.n, self.corpus = args.seed, args.seq_len + 1, None
@@ -175,25 +177,6 @@ class Samples(torch.utils.data.Dataset):
         else:  # n words always cover n tokens
             seq = torch.cat([self.words[j] for j in torch.randint(len(self.words), (self.n,), generator=g).tolist()])
         return seq[: self.n - 1], seq[1 : self.n]
-
-
-class TrainState:
-    """Step and data position (global samples consumed), and what defines the data stream: a resume with another
-    seed, global batch or sequence length would silently train on other samples than the run it continues."""
-
-    def __init__(self, args=None):
-        self.step, self.samples = 0, 0
-        self.stream = {k: getattr(args, k) for k in ("seed", "batch_size", "seq_len")} if args else {}
-
-    def state_dict(self):
-        return {"step": self.step, "samples": self.samples, **self.stream}
-
-    def load_state_dict(self, sd):
-        changed = [f"--{k.replace('_', '-')} {sd[k]} -> {v}" for k, v in self.stream.items() if sd.get(k, v) != v]
-        if changed:
-            raise ValueError(f"this resume changes the data stream ({', '.join(changed)}): "
-                             "pass the values the checkpoint was trained with")
-        self.step, self.samples = int(sd["step"]), int(sd["samples"])
 
 
 def lr_lambda(args):
@@ -251,34 +234,34 @@ def train(args, device, rank, world):
     model = build_model(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
-    state = TrainState(args)
-    extra = {"scheduler": sched, "train": state}
-    if args.resume:
-        found = ckpt.load(args.resume_from or args.ckpt_dir, model, opt, extra, timeout=args.ckpt_timeout)
-        if found is None and args.resume_from:  # a rollback must not quietly start over
+    # The data's place in global samples; a resume with another global batch, seed or sequence length is refused
+    # (it would silently read other samples than the run it continues).
+    position = ckpt.Position(global_batch=args.batch_size, seed=args.seed, seq_len=args.seq_len)
+    extra = {"scheduler": sched, "data": position}
+    # Global sample i goes to rank i % world: the first k samples are the same at any world size. The loader's own
+    # generator: else iter() draws from torch's, which load() restored (dropout would shift).
+    sampler = ckpt.SkippingSampler(dataset, num_replicas=world, rank=rank, shuffle=False, seed=args.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler,
+                                         num_workers=args.num_workers, worker_init_fn=ckpt.ignore_sigterm,
+                                         generator=torch.Generator())
+    preemption = ckpt.Preemption(device)  # a SIGTERM to any rank, known to every rank at the same step
+    step = None
+    try:  # the message of a refusal, not a traceback per rank
+        if args.resume:
+            step = ckpt.load(args.resume_from or args.ckpt_dir, model, opt, extra, timeout=args.ckpt_timeout)
+            say(f"resumed from step {step}" if step is not None else f"nothing to resume in {args.ckpt_dir}: step 0")
+        if step is None and args.resume_from:  # a rollback must not quietly start over
             raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
-        say(f"resumed from step {found}" if found is not None else f"nothing to resume in {args.ckpt_dir}: step 0")
-    newest = max(ckpt.committed_steps(args.ckpt_dir), default=-1)
-    if args.resume_from and not args.rollback and newest > state.step:  # its first save would be refused: now
-        raise SystemExit(f"--resume-from: {args.ckpt_dir} holds step {newest}: add --rollback to give up the later")
-    # From the restored position: step s reads global samples samples + s*B ... + B - 1, rank r of W its r-th B/W, so
-    # any W reads the same. Its own generator: else iter() draws from torch's, which load() restored (dropout shifts).
-    per_rank = args.batch_size // world
-    shares = ([*range(i, i + per_rank)] for i in itertools.count(state.samples + rank * per_rank, args.batch_size))
-    data = iter(torch.utils.data.DataLoader(dataset, batch_sampler=shares, num_workers=args.num_workers,
-                                            worker_init_fn=ckpt.ignore_sigterm, generator=torch.Generator()))
-    try:  # after the load: a bad --ckpt-dir, another live run there, or commits there and no --resume fail now;
-        # --rollback gives up the steps after the one loaded (without it, a save below them is refused)
-        ckpt.check_root(args.ckpt_dir, model, rollback_to=state.step if args.rollback else None,
-                        timeout=args.ckpt_timeout)
+        step = step or 0
+        # After the load: a bad --ckpt-dir, another live run there, or a break of the branch rule (commits there
+        # and no --resume, or later ones than the step resumed) fail now; --rollback gives up the later steps.
+        ckpt.check_root(args.ckpt_dir, model, rollback_to=step if args.rollback else None, timeout=args.ckpt_timeout)
     except ckpt.CheckpointError as e:
-        raise SystemExit(f"train_fsdp.py: CheckpointError: {e}") from None  # the message, not a traceback per rank
-    if state.step == 0 and args.init_from:
+        raise SystemExit(f"train_fsdp.py: CheckpointError: {e}") from None
+    if step == 0 and args.init_from:
         init_from(model, args.init_from, rank)
         say(f"initialized weights from {args.init_from}")
-    sigterm = {"received": 0.0}  # SIGTERM (preemption) only sets it; the step's all-reduce makes every rank see it
-    signal.signal(signal.SIGTERM, lambda *_: sigterm.update(received=1.0))
-    done, first = state.step >= args.steps, state.step + 1
+    data, done, first = position.batches(loader), step >= args.steps, step + 1
     while not done:
         t0 = time.time()
         x, y = (t.to(device) for t in next(data))
@@ -289,27 +272,25 @@ def train(args, device, rank, world):
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        state.step += 1
-        state.samples += args.batch_size
-        if args.async_save and state.step == first:  # the optimizer holds state: async saves' buffers, beside the loop
+        step += 1
+        if args.async_save and step == first:  # the optimizer holds state: async saves' host memory, beside the loop
             ckpt.prepare_async(model, opt, extra)
-        stats = torch.tensor([loss.item(), sigterm["received"]], device=device)  # one all-reduce for both
-        dist.all_reduce(stats)
-        mean_loss, preempted = stats[0].item() / world, stats[1].item() > 0
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss, preempted = mean_loss.item() / world, preemption.requested()
         tok_s = args.batch_size * args.seq_len / (time.time() - t0)
-        say(f"step {state.step:5d} | loss {mean_loss:.4f} | lr {lr:.3e} | {tok_s:,.0f} tok/s")
+        say(f"step {step:5d} | loss {mean_loss:.4f} | lr {lr:.3e} | {tok_s:,.0f} tok/s")
         if args.log_file and rank == 0:
             with open(args.log_file, "a") as log:
-                log.write(json.dumps(dict(step=state.step, loss=mean_loss, lr=lr, samples=state.samples)) + "\n")
-        done = state.step in (args.steps, args.stop_after) or preempted
-        if done or (args.save_every and state.step % args.save_every == 0):
+                log.write(json.dumps(dict(step=step, loss=mean_loss, lr=lr, samples=position.samples)) + "\n")
+        done = step in (args.steps, args.stop_after) or preempted
+        if done or (args.save_every and step % args.save_every == 0):
             background = args.async_save and not done  # the last save is synchronous: the run ends with it
             t0 = time.time()
-            out = ckpt.save(args.ckpt_dir, state.step, model, opt, extra, keep=args.keep, async_save=background,
+            out = ckpt.save(args.ckpt_dir, step, model, opt, extra, keep=args.keep, async_save=background,
                             meta={"model_config": hf_config(args)}, timeout=args.ckpt_timeout)
             if background:  # it commits by itself once every rank's write is durable (ckpt logs the commit)
-                say(f"checkpoint of step {state.step} staged, writing in the background "
-                    f"({time.time() - t0:.2f} s blocked)")
+                say(f"checkpoint of step {step} staged, writing in the background ({time.time() - t0:.2f} s blocked)")
             else:
                 size = sum(os.path.getsize(os.path.join(out, name)) for name in os.listdir(out))
                 say(f"checkpoint {out} | {size / 1e6:.1f} MB | {time.time() - t0:.2f} s")

@@ -567,8 +567,8 @@ def scen_write_error_async(root):  # in the background thread that writes and co
 def scen_resave_rename_fails(root):
     """6. A re-save of step 2 whose second rename (.tmp- to step-N) fails on rank 0 (EIO), in a run that goes on:
     the old copy is renamed back to step-2 (were that rename to fail too, find_checkpoint() would take its
-    .replaced-step-2-* for step 2). Then, in one root, a resume of step 1 and a save of step 2 (an equal step,
-    replaced); in another, a save of step 3 with keep=1."""
+    .replaced-step-2-* for step 2). Then, in one root, a resume of step 1 and a save of step 2: refused unless the
+    rollback to step 1 is said, then replaced; in another, a save of step 3 with keep=1."""
     real = os.rename
 
     def failing(src, dst):
@@ -590,6 +590,8 @@ def scen_resave_rename_fails(root):
         if case == "rollback":
             res["loaded"] = ckpt.load(ckpt.step_dir(sub, 1), model, opt, timeout=TIMEOUT)
             step(model, opt)
+            res["unsaid"] = expect_failure(lambda: ckpt.save(sub, 2, model, opt, timeout=TIMEOUT))
+            ckpt.check_root(sub, model, rollback_to=1, timeout=TIMEOUT)
             res["save"] = expect_failure(lambda: ckpt.save(sub, 2, model, opt, timeout=TIMEOUT))
         else:
             step(model, opt)

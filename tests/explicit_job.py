@@ -98,7 +98,7 @@ def scen_stages(root, out):
     dist.all_gather_object(every, {n: p.detach().clone() for n, p in model.named_parameters()})
     if rank() == 0:
         torch.save({k: v for mine in every for k, v in mine.items()}, os.path.join(out, "stages_ref.pt"))
-    return {"path": path, "stages": ckpt.read_manifest(path).get("stages"),
+    return {"path": path,
             "params": sorted(dict(model.named_parameters()))}
 
 

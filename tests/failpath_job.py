@@ -385,7 +385,8 @@ def scen_two_roots(root):
 def scen_no_flock(root):
     """A file system whose flock() fails with ENOSYS (Lustre mounted without -o flock), on rank 0, which claims: the
     first save is refused (check_root() too), naming the mount options and the opt-out; check_root(lock=False)
-    claims the root without a lock (no flock() call), and saves and loads work. A second root, made beforehand,
+    claims the root without a lock (flock() is tried once more, refused: a lock held by another run would still
+    refuse it), and saves and loads work. A second root, made beforehand,
     claimed with lock=False first; the same run's check_root() of it again (lock left at its default). A third root
     that does not exist yet, claimed with lock=False."""
     calls = []
@@ -514,8 +515,10 @@ def live_goes_on():
 
 
 def scen_foreign_live_claim(root):
-    """Another live run (a process of its own on this host) holds root: check_root() and save() are refused naming
-    it; load() of the root and of a step directory claims nothing and works."""
+    """Another live run (a process of its own on this host) holds root, with a save in progress: check_root() and
+    save() are refused naming it, check_root(lock=False) too (it tries the lock: a missing lock lets it go on, one
+    held refuses); nothing of the other run's is removed. load() of the root and of a step directory claims
+    nothing and works."""
     src = root + "-src"
     model, opt = make()
     train(model, opt, 1)
@@ -528,13 +531,16 @@ def scen_foreign_live_claim(root):
                                      stdout=subprocess.PIPE, text=True)
         assert holder[0].stdout.readline().strip() == "held"
     copy_steps(src, root, [1])
+    if RANK == 0:
+        os.makedirs(os.path.join(root, f"{ckpt.TMP}step-00000002-0badc0de"))  # the other run's save in progress
     other = [holder[0].pid if holder[0] else None]
     dist.broadcast_object_list(other, src=0)
     before, owner_before = listing(root), owner_file(root)
     fresh, fresh_opt = make(seed=4)
     out = {"other_pid": other[0], "owner": owner_before, "listing_before": before,
            "check_root": expect_failure(lambda: ckpt.check_root(root, model, timeout=HOUR)),
-           "save": expect_failure(lambda: ckpt.save(root, 5, model, opt, timeout=HOUR))}
+           "save": expect_failure(lambda: ckpt.save(root, 5, model, opt, timeout=HOUR)),
+           "lock_false": expect_failure(lambda: ckpt.check_root(root, model, lock=False, timeout=HOUR))}
     out["load_root"] = expect_failure(lambda: out.update(step_root=ckpt.load(root, fresh, None, timeout=HOUR)))
     out["weights_root"] = weights(fresh)
     fresh, fresh_opt = make(seed=5)
@@ -675,9 +681,12 @@ def scen_vanished_while_loading(root):
     saved = weights(model)
     out = {}
     for where, name in (("before verify", "verify_files"), ("before .metadata", "read_metadata")):
-        real, marker = getattr(ckpt, name), os.path.join(root + "-signals", name)
+        real, marker, fired = getattr(ckpt, name), os.path.join(root + "-signals", name), []
 
-        def removed_first(*a, _real=real, _where=where, _marker=marker, **k):
+        def removed_first(*a, _real=real, _where=where, _marker=marker, _fired=fired, **k):
+            if _fired:  # a load calls it more than once (the sizes, then the CRCs): the removal happens at the first
+                return _real(*a, **k)
+            _fired.append(True)
             # Every rank is here (none still in an earlier step of load(), where the removal would be seen
             # otherwise); then rank 0 is the writer, whose commit and retention happen now; the other ranks look
             # once the step is gone (else they may race the deletion, file by file).
@@ -989,7 +998,14 @@ def scen_save_after_failed_load(root):
     train(model, opt, 1)
     ckpt.save(root, 1, model, opt, timeout=HOUR)
     train(model, opt, 2)
-    with patched("SafeReader.read_data", 1, raiser(eio("read shard"))):
+    real, reads = ckpt.SafeReader.read_data, []
+
+    def tensors_fail(self, plan, planner):  # a load reads twice: its small values, then its tensors into the state
+        reads.append(plan)
+        if len(reads) == 2:
+            raise eio("read shard")
+        return real(self, plan, planner)
+    with patched("SafeReader.read_data", 1, tensors_fail):
         failed = expect_failure(lambda: ckpt.load(root, model, opt, timeout=HOUR))
     steps = sorted({float(st["step"]) for st in opt.state.values()})
     out = {"failed_load": failed, "optimizer_steps": steps,

@@ -183,3 +183,12 @@ class Patched:
                 setattr(self.owner, self.attr, self.real)
             else:
                 delattr(self.owner, self.attr)
+
+
+def refused_everywhere(ranks, *phrases):
+    """Every rank raised CheckpointError with each phrase in its message; returns rank 0's message."""
+    for r, res in enumerate(ranks):
+        assert res["raised"] == "CheckpointError", f"rank {r}: {res['raised']}: {res['msg']}"
+        for phrase in phrases:
+            assert phrase in res["msg"], f"rank {r}: {phrase!r} not in {res['msg']}"
+    return ranks[0]["msg"]

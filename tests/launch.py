@@ -256,6 +256,20 @@ class Job:
         return rc, output
 
 
+def module_job(request, tmp_path_factory, job):
+    """A module fixture's body: the 2-rank job (a script taking WORK OUT) started once, if a selected test of the
+    module asks for "job", so that its ranks run while the module's other tests do. Yields {"dir", "job"}."""
+    if not any("job" in item.fixturenames for item in request.session.items if item.module is request.module):
+        yield None
+        return
+    d = tmp_path_factory.mktemp(os.path.splitext(os.path.basename(job))[0])
+    started = start([job, d / "work", d / "out"], env=dict(os.environ, OMP_NUM_THREADS="1"), out=d / "job.txt")
+    yield {"dir": d, "job": started}
+    if None in started.rcs:  # a test failed before waiting for it
+        started.kill()
+        started.wait(30)
+
+
 def start(argv, nproc=2, env=None, out=None, cwd=REPO, beside=False):
     """Start `python argv...` as nproc ranks; out: the file both ranks' output goes to. beside=True: beside the
     jobs running now (on other zygotes), instead of ending them."""

@@ -290,8 +290,8 @@ result["failed"] = {{"errors": errors, "committed": ckpt.committed_steps(os.path
 gate["fail_rank"] = None
 ckpt.close()  # drops the buffers the saves above made
 model, opt = build(3)
-ckpt.prepare_async(model, opt).join()
-made = dict(ckpt._host["views"])
+ckpt.prepare_async(model, opt).wait()
+made = dict(ckpt._cache["views"])
 at_save = snapshot(model, opt)
 pending = save_then_modify(3, model, opt, "prepared")
 pending.wait()

@@ -132,7 +132,7 @@ def scenario_async(d, device):
         moved = max((now[k] - want[k]).abs().max().item() for k in want if k.startswith("model."))  # the weights
         differ, worst = compare(want, state_of(*resumed(path, build, make_optimizer)))
         result["saves"].append({"step": step, "keys": len(want), "differ": differ, "max_abs": worst, "moved": moved})
-    result["page_locked"] = ckpt._host["memory"].is_pinned()  # cudaHostRegister'd: the copies run beside the loop
+    result["page_locked"] = ckpt._cache["memory"].is_pinned()  # cudaHostRegister'd: the copies run beside the loop
     backward()
     want = state_of(model, optimizer)
     pending = ckpt.save(root, 4, model, optimizer, async_save=True)

@@ -197,15 +197,15 @@ def test_changed_global_batch_is_refused_by_name(runs):
     Position refuses it, naming both sizes, instead of training on with half the batch."""
     got = resume(runs, "halved", 1, global_batch=GLOBAL_BATCH // 2)
     print(f"\nglobal batch 8 saved, resumed with 4: {got.get('error')}")
-    assert "global batch 8 saved" in got.get("error", ""), got
+    assert "global_batch 8 saved, 4 now" in got.get("error", ""), got
 
 
 def test_train_fsdp_refuses_another_batch_size(tmp_path):
-    """train_fsdp.py's TrainState: a resume with another --batch-size is refused, naming the flag and both values."""
+    """train_fsdp.py's ckpt.Position: a resume with another --batch-size is refused, naming it and both values."""
     args = [TRAIN, *SMALL, "--n-layers", "1", "--steps", "4", "--num-workers", "0", "--ckpt-dir", tmp_path / "ckpt"]
     launch.run([*args, "--stop-after", "2", "--log-file", tmp_path / "log.jsonl"], nproc=1, timeout=90)
     rc, out = launch.run([*args, "--resume", "--batch-size", "4"], nproc=1, timeout=90, check=False)
     refusal = next((ln for ln in out.splitlines() if "changes the data stream" in ln), None)
     print(f"\nsaved with --batch-size 8, resumed with 4: exit {rc}; {refusal}")
-    assert rc != 0 and refusal and "--batch-size 8 -> 4" in refusal
+    assert rc != 0 and refusal and "train_fsdp.py: CheckpointError" in refusal and "global_batch 8 saved, 4 now" in refusal
     assert sorted(read_log(tmp_path / "log.jsonl")) == [1, 2], "the refused run must not train"

@@ -523,9 +523,10 @@ def test_write_error_counted_once(scenarios, name):
 def test_resave_whose_second_rename_fails(scenarios):
     """A re-save of step 2 whose second rename fails (EIO) on rank 0, in a run that goes on (the error caught):
     the older copy is step-2 again (renamed back at once). The run's next saves must work and honour
-    keep: after a resume of step 1, a save of step 2 (an equal step: it replaces step 2, no rollback to say);
-    with keep=1, a save of step 3 leaves step 3 alone. Guards against a run that cannot save any more, or a root
-    that grows past keep."""
+    keep: after a resume of step 1, a save of step 2 is refused until the rollback to step 1 is said (the branch
+    rule: step 2 would be replaced by a state that does not descend from it), and then works; with keep=1, a save
+    of step 3 leaves step 3 alone. Guards against a run that cannot save any more, a root that grows past keep,
+    and a newest commit silently replaced by another branch."""
     res = scenario(scenarios, "resave_rename_fails")
     for rank, x in enumerate(res):
         for case in ("rollback", "keep"):
@@ -536,6 +537,9 @@ def test_resave_whose_second_rename_fails(scenarios):
     for x in res:
         assert x["rollback"]["raised"] == x["keep"]["raised"] == "CheckpointError"
         assert re.search(r"step-00000002", x["rollback"]["found"]) and x["rollback"]["loaded"] == 1  # either name
+        unsaid = x["rollback"]["unsaid"]
+        assert unsaid["raised"] == "CheckpointError" and "rollback_to=" in unsaid["msg"], unsaid
+        assert "holds step-00000002, a later step than 1 (the step its model continues from)" in unsaid["msg"]
         assert x["rollback"]["save"]["raised"] is None, "the rollback's save must work"
         assert x["keep"]["save"]["raised"] is None and x["keep"]["committed"] == [3]
         assert x["keep"]["end"] == [ckpt.OWNER, "step-00000003"], "keep=1: nothing else may stay"

@@ -482,7 +482,7 @@ rank = dist.get_rank()
 model = train_fsdp.build_model(args, torch.device("cpu"))
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, train_fsdp.lr_lambda(args))
-extra = {"scheduler": sched, "train": train_fsdp.TrainState()}
+extra = {"scheduler": sched, "data": ckpt.Position(args.batch_size, seed=args.seed, seq_len=args.seq_len)}
 
 class Evil:
     """Pickles as a call of os.system: whoever unpickles it with plain pickle runs the command."""

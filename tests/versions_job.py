@@ -42,7 +42,7 @@ def main():
         model = train_fsdp.build_model(args, torch.device("cpu"))
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         extra = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, train_fsdp.lr_lambda(args)),
-                 "train": train_fsdp.TrainState(args)}
+                 "data": ckpt.Position(args.batch_size, seed=args.seed, seq_len=args.seq_len)}
         step = ckpt.load(src, model, opt, extra)
         if step is None:
             raise SystemExit(f"versions_job.py: no checkpoint in {src}")

@@ -1,0 +1,327 @@
+"""The defects a first reading of ckpt.py and a new user's own trainer reproduced: each test fails on the ckpt.py
+before this round (149318c) and passes now.
+
+  * one rule for parameter names, from the model's own state dict: a DDP model saves, resumes bit for bit and loads
+    into FSDP2; an FSDP1 model is refused naming fully_shard (it was refused as if ranks held different values);
+  * foreign input named as foreign: a plain dcp.save() directory is not "damaged"; a resume whose param groups hold
+    other parameters says what to do; a fine-tune's new head loads with strict=False;
+  * a value no digest can read (a meta tensor) fails every rank at once, not one rank while the others wait;
+  * the branch rule at every save: a rollback to another step than the one loaded, an older resume saving the newest
+    step's number, a second model loaded weights-only re-saving a step: refused; a stray .rollback-to- file ignored;
+  * a mistyped root is said; a peer that died is not called a timeout; an async save's failure after its process
+    group is gone is logged, not lost; an empty EMA in a plain process reads a sharded run's shadows whole; storage
+    paths forged into .metadata are refused; a corrupted shard is refused by name at 1 and 2 ranks, and save()
+    refuses the part-loaded model until a load succeeds.
+
+The 2-rank parts run in ONE job, tests/defects_job.py (ranks forked by tests/launch.py), started as the module starts.
+
+    python -m pytest -q -s tests/test_defects.py
+"""
+
+import dataclasses
+import json
+import os
+import pickle
+import sys
+
+from tests import launch  # first: its warm rank processes import torch while this one does
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckpt
+from tests import defects_job, state_job
+from tests.harness import REPO, refused_everywhere, run, scenarios_result
+
+JOB = os.path.join(REPO, "tests", "defects_job.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def job_launch(request, tmp_path_factory):
+    yield from launch.module_job(request, tmp_path_factory, JOB)
+
+
+@pytest.fixture(scope="module")
+def job(job_launch):
+    rc, out = job_launch["job"].wait(timeout=240)
+    return dict(scenarios_result(out, "defects_job.py", f"exit {rc}"), out_dir=str(job_launch["dir"] / "out"))
+
+
+def scenario(job, name):
+    for r, res in enumerate(job[name]):
+        assert "unexpected" not in res, f"scenario {name} on rank {r}: {res['unexpected']}\n{res.get('trace', '')}"
+    return job[name]
+
+
+@pytest.fixture
+def plain():
+    """A test in this process without a process group: ckpt's world of one; forgotten after."""
+    yield
+    ckpt.close()
+
+
+# ------------------------------------------------------------------------- 2 ranks: one rule for names, input
+
+
+def test_ddp_saves_resumes_exactly_and_loads_into_fsdp2(job):
+    """A DDP-wrapped model (its parameters named module.*): saved under the model's own names, resumed bit for bit,
+    and loaded (weights only) into the same model sharded by fully_shard. 149318c refused it at save:
+    'parameter module.a.weight has no entry in the model's state dict'."""
+    for r, x in enumerate(scenario(job, "ddp")):
+        print(f"\nrank {r}: keys {x['keys']}; resumed losses {x['resumed']} vs uninterrupted {x['reference']}; "
+              f"into FSDP2 ({x['sharded']}): step {x['into_fsdp2']}, max |dweight| {x['fsdp2_vs_saved']:.1e}")
+        assert x["keys"] == ["model.a.bias", "model.a.weight", "model.b.bias", "model.b.weight"]
+        assert x["loaded"] == 2 and x["resumed"] == x["reference"]
+        assert x["into_fsdp2"] == 2 and x["sharded"] == "DTensor" and x["fsdp2_vs_saved"] == 0.0
+
+
+def test_fsdp1_is_refused_naming_fully_shard(job):
+    """An FSDP1 model (FullyShardedDataParallel, use_orig_params=True: Accelerate's setup) is refused at save() on
+    every rank, naming FSDP1 and fully_shard, nothing written. 149318c: '1 value(s) stored once differ among the
+    ranks ... optim.0.group...', which reads like the user's error."""
+    res = scenario(job, "fsdp1")
+    msg = refused_everywhere(res, "FullyShardedDataParallel", "fully_shard")
+    print(f"\n{msg[:300]}")
+    assert "differ among the ranks" not in msg and all(x["listing"] == [] for x in res)
+
+
+def test_plain_dcp_directory_is_refused_as_foreign(job):
+    """A directory a plain dcp.save() wrote (.metadata, no manifest.json) is refused as not written by
+    ckpt.save(), not as a damaged checkpoint; nothing in it is touched."""
+    res = scenario(job, "foreign")
+    msg = refused_everywhere([x["refused"] for x in res], "ckpt.save() did not write it", "dcp.load()")
+    print(f"\n{msg[:300]}")
+    assert "damaged" not in msg and all(x["listing"] == [".metadata", "__0_0.distcp", "__1_0.distcp"] for x in res)
+
+
+def test_new_head_loads_with_strict_false(job):
+    """A fine-tune's model: the checkpoint's layers and a new head. strict (the default) refuses naming the head's
+    keys and strict=False; strict=False loads the layers exactly, leaves the head as it was, and logs its keys;
+    with an optimizer it is refused (an initialisation only). A smaller model loads what it has and logs the
+    checkpoint's keys it lacks."""
+    x = scenario(job, "strict")[0]
+    print(f"\nstrict: {x['refused']['msg'][:200]}\nwith an optimizer: {x['with_opt']['msg'][:160]}\nstrict=False: "
+          f"step {x['loaded']}, layers max |d| {x['body_vs_saved']}, head unchanged {x['head_unchanged']}; "
+          f"said {x['said_new']}\nsmaller model: step {x['smaller_loaded']}, said {x['said_left']}")
+    assert x["refused"]["raised"] == "CheckpointError" and "head.weight" in x["refused"]["msg"]
+    assert "strict=False" in x["refused"]["msg"]
+    assert x["with_opt"]["raised"] == "CheckpointError" and "initialisation" in x["with_opt"]["msg"]
+    assert x["loaded"] == 3 and x["body_vs_saved"] == 0.0 and x["head_unchanged"]
+    assert len(x["said_new"]) == 1 and "model.head.bias, model.head.weight" in x["said_new"][0]
+    assert x["smaller_loaded"] == 3 and x["smaller_vs_saved"] == 0.0
+    assert len(x["said_left"]) == 1 and "model.b.bias" in x["said_left"][0] and "model.b.weight" in x["said_left"][0]
+
+
+def test_param_groups_changed_says_what_to_do(job):
+    """Stage 2 of a fine-tune unfreezes the backbone: its optimizer's group holds parameters the saved one did not.
+    Refused on every rank naming them, and saying how to go on (the weights alone, a fresh optimizer)."""
+    msg = refused_everywhere(scenario(job, "groups_changed"), "does not hold the parameters its saved group held",
+                  "'a.bias', 'a.weight'", "load the weights alone")
+    print(f"\n{msg[:300]}")
+
+
+def test_value_no_digest_reads_fails_every_rank_at_once(job):
+    """A meta tensor in an extra stored once (its digest cannot be read): save() fails on every rank within
+    seconds, naming the key; nothing written. 149318c computed digests outside the step voted on: the rank that
+    raised left, the other waited out the timeout (one hour by default)."""
+    res = scenario(job, "unhashable")
+    msg = refused_everywhere(res, "extra.cache.t")
+    print(f"\n{msg[:200]}; seconds {[x['secs'] for x in res]}")
+    assert all(x["secs"] < 10 and x["listing"] == [] for x in res)
+
+
+# ------------------------------------------------------------------------------------ 2 ranks: the branch rule
+
+
+def test_branch_rule_holds_at_every_save(job):
+    """Root holds steps 2 and 4. A model loaded from step 4 asking rollback_to=2 is refused (it is not the step
+    loaded) and nothing moves; a resume from step 2 saving step 4 is refused (it would replace step 4 by another
+    branch), step 4 unchanged; a copy of the model loaded weights-only in the same process, with a fresh
+    optimizer, is refused saving step 4, step 4 unchanged. 149318c checked the rule at the first claim of a process
+    only, and never compared rollback_to with the step loaded."""
+    x = scenario(job, "branches")[0]
+    for what in ("rollback_other", "older_saves_newest", "weights_only_resave"):
+        print(f"\n{what}: {x[what]['raised']}: {x[what]['msg'][:220]}")
+    assert "rollback_to=2, but the model continues from step 4" in x["rollback_other"]["msg"]
+    assert x["after_rollback_other"] == [ckpt.OWNER, "step-00000002", "step-00000004"]
+    assert "a later step than 2 (the step its model continues from)" in x["older_saves_newest"]["msg"]
+    assert "loaded none of them into its model as a resume" in x["weights_only_resave"]["msg"]
+    assert x["step4_unchanged"] and x["step4_still_unchanged"]
+
+
+def test_stray_rollback_file_is_ignored(job):
+    """A file named .rollback-to-00000002.swp (an editor's) names no step: load, check_root and save work, and the
+    file stays. 149318c: a bare ValueError from every load, save and claim on the root."""
+    x = scenario(job, "branches")[0]["stray"]
+    print(f"\nwith the stray file: load {x['load']['raised']}, check_root {x['check_root']['raised']}, save "
+          f"{x['save']['raised']}; root {x['listing']}")
+    assert (x["load"]["raised"], x["check_root"]["raised"], x["save"]["raised"]) == (None, None, None)
+    assert x["committed"] == [2, 4, 5] and f"{ckpt.ROLLBACK}00000002.swp" in x["listing"]
+
+
+def test_mistyped_root_is_said(job):
+    """A resume from a root that does not exist loads nothing and says so at WARNING, naming the absolute path;
+    check_root() then says it makes a new root. 149318c said nothing at INFO or above."""
+    x = scenario(job, "mistyped_root")[0]
+    print(f"\nload: {x['found']}, said {x['said_load']}; check_root said {x['said_claim']}")
+    assert x["found"] is None and len(x["said_load"]) == 1 and "-typo: it does not exist" in x["said_load"][0]
+    assert len(x["said_claim"]) == 1 and "-typo" in x["said_claim"][0]
+
+
+# ------------------------------------------------------------------------------------ checksums, read beside DCP
+
+
+def test_corrupted_shard_refused_by_name_and_save_refused_after(job):
+    """A byte flipped in one of rank 1's tensors in its shard: the load (CRCs beside DCP's read) fails on every rank
+    within seconds, naming __1_0.distcp; save() is refused (the model may hold part of it) until a load succeeds;
+    then the damaged step is given up (rollback_to=2) and the save works. The control, verify=False, loads the
+    damaged step without a word: the check is what refuses it."""
+    res = scenario(job, "corrupt")
+    msg = refused_everywhere([x["load"] for x in res], "__1_0.distcp does not match its checksum (corrupted)")
+    print(f"\n{msg[:260]}; seconds {[x['secs'] for x in res]}\nsave after it: {res[0]['save']['msg'][:160]}\n"
+          f"reload step {res[0].get('reloaded')}, rollback {res[0]['rollback']['raised']}, save "
+          f"{res[0].get('saved_after')}; control verify=False: step {res[0].get('control_loaded')}, max |dweight| "
+          f"{res[0]['control_vs_saved']:.3e}")
+    refused_everywhere([x["save"] for x in res], "failed while reading", "load() again before saving")
+    for x in res:
+        assert x["secs"] < 10 and x["reloaded"] == 2 and x["rollback"]["raised"] is None
+        assert x["saved_after"] == "step-00000003" and x["control_loaded"] == 4 and x["control_vs_saved"] > 0
+
+
+def test_corrupted_shard_at_one_rank(tmp_path, plain):
+    """The same at one rank (a plain process): the flipped byte refused by name, save() refused after, a reload of
+    the intact step lets it save again."""
+    torch.manual_seed(0)
+    model = state_job.Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    root = tmp_path / "root"
+    for s in (1, 2):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(root, s, model, opt)
+    shard = root / "step-00000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(root, model, opt)
+    with pytest.raises(ckpt.CheckpointError) as again:
+        ckpt.save(root, 3, model, opt)
+    print(f"\n{str(e.value)[:200]}\nsave after it: {str(again.value)[:120]}")
+    assert "__0_0.distcp does not match its checksum (corrupted)" in str(e.value)
+    assert "load() again before saving" in str(again.value)
+    assert ckpt.load(root / "step-00000001", model, opt) == 1
+    ckpt.check_root(root, model, rollback_to=1)
+    assert os.path.basename(ckpt.save(root, 2, model, opt)) == "step-00000002"
+
+
+def test_forged_storage_paths_refused(tmp_path, plain):
+    """.metadata's storage paths forged to point into another step (its checksums forged to match): load() of step 2
+    refuses the path by name instead of reading step 1's files. The control: plain DCP reads step 1's weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    root = tmp_path / "root"
+    ckpt.save(root, 1, model, None)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ckpt.save(root, 2, model, None)
+    two = root / "step-00000002"
+    md = ckpt.read_metadata(two)
+    md.storage_data = {k: dataclasses.replace(v, relative_path=f"../step-00000001/{v.relative_path}")
+                       for k, v in md.storage_data.items()}
+    with open(two / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    manifest = json.loads((two / ckpt.MANIFEST).read_text())
+    manifest["files"][".metadata"] = {"bytes": os.path.getsize(two / ".metadata"),
+                                      "crc32": ckpt.chunk_crcs([str(two / ".metadata")])[0]}
+    manifest["crc32"] = ckpt._manifest_crc(manifest)
+    (two / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(two, torch.nn.Linear(4, 4))
+    control = {"model.weight": torch.empty(4, 4)}
+    dcp.load(control, storage_reader=ckpt.SafeReader(str(two), md), planner=ckpt.SafeLoadPlanner(), no_dist=True)
+    step1 = ckpt.read_metadata(root / "step-00000001")
+    print(f"\n{str(e.value)[:240]}\ncontrol: plain DCP read weights {control['model.weight'][0, :2].tolist()} "
+          f"(step 2's: {model.weight[0, :2].tolist()})")
+    assert "names '../step-00000001/" in str(e.value) and "not a file its manifest lists" in str(e.value)
+    assert step1 is not None and not torch.equal(control["model.weight"], model.weight.detach())
+
+
+def test_empty_ema_in_a_plain_process_reads_sharded_shadows_whole(job, plain):
+    """An evaluation job: a plain process (no process group) loads a 2-rank FSDP2 run's checkpoint with an EMA whose
+    shadows were DTensors into an EMA that holds nothing yet (built lazily). In a world of one a whole tensor is the
+    only layout: each shadow comes back whole, equal to what was saved. 149318c refused it."""
+    x = scenario(job, "ema")[0]
+    saved = torch.load(os.path.join(job["out_dir"], "ema.pt"), weights_only=True)
+    model = defects_job.Net()
+    ema = state_job.EMA(model)  # lazy: empty
+    step = ckpt.load(saved["path"], model, extra={"ema": ema})
+    diffs = {k: (ema.shadow[k] - v).abs().max().item() for k, v in saved["shadows"].items()}
+    print(f"\nsaved as {x['kinds']}; loaded at step {step} into an empty EMA: {sorted(ema.shadow)}, max |d| "
+          f"{max(diffs.values())}")
+    assert x["kinds"] == ["DTensor"] and step == 1 and sorted(ema.shadow) == sorted(saved["shadows"])
+    assert all(type(v) is torch.Tensor for v in ema.shadow.values()) and max(diffs.values()) == 0.0
+
+
+# ------------------------------------------------------------------------------------- a rank gone, a group gone
+
+PEER = r'''
+import os, sys, time, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["REPO"])
+import ckpt
+dist.init_process_group("gloo")
+model = torch.nn.Linear(4, 4)
+ckpt.save(sys.argv[1], 1, model, None)
+if dist.get_rank() == 1:
+    os._exit(3)  # a crash: it never reaches the next save
+t0 = time.monotonic()
+try:
+    ckpt.save(sys.argv[1], 2, model, None)
+except ckpt.CheckpointError as e:
+    print(f"RESULT {time.monotonic() - t0:.2f} {e}", flush=True)
+    os._exit(0)
+os._exit(1)
+'''
+
+DESTROYED = r'''
+import logging, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["REPO"])
+import ckpt
+logging.basicConfig(level=logging.ERROR, format=f"[rank{os.environ['RANK']}] %(message)s")
+dist.init_process_group("gloo")
+model = torch.nn.Linear(64, 64)
+pending = ckpt.save(sys.argv[1], 1, model, None, async_save=True)
+dist.destroy_process_group()  # before ckpt.close(): the save's thread finds its group gone
+'''
+
+
+def test_peer_that_died_is_not_called_a_timeout(tmp_path):
+    """Rank 1 crashes before a save; rank 0's save fails within seconds, saying a rank left after N s, not that
+    every rank failed to arrive within the (one-hour) checkpoint timeout. 149318c said the latter, after 0.1 s."""
+    script = tmp_path / "peer.py"
+    script.write_text(PEER)
+    rc, out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                   str(tmp_path / "root")], timeout=120, check=False, env=dict(os.environ, REPO=REPO))
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), "")
+    print(f"\n{line[:300]}")
+    assert line, out[-3000:]
+    secs, msg = float(line.split()[1]), line.split(" ", 2)[2]
+    assert secs < 60 and "a rank left it after" in msg and "within the checkpoint timeout" not in msg
+
+
+def test_async_save_failure_after_its_group_is_gone_is_logged(tmp_path):
+    """An async save whose process group is destroyed before ckpt.close(): the save's thread fails, and says so at
+    ERROR on every rank as it happens; nothing is committed and no .tmp- directory stays. 149318c lost it silently:
+    the writer's ValueError escaped its coordination, sat unread in the future, the process exited 0."""
+    script = tmp_path / "destroyed.py"
+    script.write_text(DESTROYED)
+    root = tmp_path / "root"
+    rc, out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                   str(root)], timeout=120, check=False, env=dict(os.environ, REPO=REPO))
+    said = [ln for ln in out.splitlines() if "a background save failed on rank" in ln]
+    left = sorted(os.listdir(root)) if root.exists() else []
+    print(f"\nexit {rc}; said: {said}; root: {left}")
+    assert len(said) == 2 and {ln[:7] for ln in said} == {"[rank0]", "[rank1]"}, out[-3000:]
+    assert ckpt.committed_steps(root) == [] and not [n for n in left if n.startswith(ckpt.TMP)]
