@@ -11,7 +11,7 @@ state_dict() and load_state_dict()}). A failure on any rank raises the same Chec
 Keys: model.<fqn>; optim.<i>.state.<fqn>.<name>, a parameter's state tensors; optim.<i>.groups.<its first fqn>,
 the rest of the optimizer; extra.<name>, an extra's state (a tensor at extra.<name>.<path>); rank.<r>.extra.<name>,
 rank r's own (a DataLoader, a Sampler, a PerRank, the generators). A value stored once must be equal on every rank
-holding it: all are compared but parameters and their optimizer state, which the gradient all-reduce keeps equal.
+holding it: all are compared except parameters and their optimizer state, which the gradient all-reduce keeps equal.
 
 The branch rule: a save continues the root's newest commit, which its model was loaded from (with its optimizer)
 or saved since. To continue from an older step, say so: check_root(root, model, rollback_to=<the step loaded>).
@@ -107,7 +107,7 @@ class CheckpointError(RuntimeError):
 class PerRank:
     """An extra whose state is this rank's alone (a data iterator, a generator): stored per rank, restored at the
     same world size only, refused by name at another. A DataLoader with state (torchdata's StatefulDataLoader)
-    or a Sampler is per rank without it."""
+    or a Sampler is stored per rank without this wrapper."""
     def __init__(self, obj):
         self.state_dict, self.load_state_dict = obj.state_dict, obj.load_state_dict
 
@@ -120,27 +120,24 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     group, root, optimizers = checkpoint_group(timeout), os.path.realpath(root), _as_list(optimizer)
     lineage, kinds = _continues_from(model), [type(o).__name__ for o in optimizers]
     # 1. Collect (user code runs here: the extras' state_dict()), 2. agree, before rank 0 touches the root.
-    once = {}  # the digest of each value stored once, by path
-    flat, error = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta, once)
+    digests = {}  # of each value stored once, by path: every rank holding it must hold the same
+    flat, error = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta, digests)
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "optimizers": kinds,
             "continues_from": lineage, "meta": _attempt(lambda: json.dumps(meta, sort_keys=True))[0]}
-    _vote(group, "save()", error, args, once)
+    _vote(group, "save()", error, args, digests)
     # 3. Prepare: rank 0 alone touches the root, so that ranks never race on it.
     tmp = _rank0(group, f"save: prepare step {step} in {root} (rank 0)", _prepare, root, step, lineage)
-    try:
-        _check_shared(group, tmp)
-    except CheckpointError:
-        if _rank() == 0:  # not left for the next run to clean
-            os.rmdir(tmp)
-        raise
-    _lineage.update(dict.fromkeys(model.modules(), step))  # it holds step's state: its next save continues from it
+    _check_shared(group, tmp, made=True)
     manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "torch_version": torch.__version__,
                 "meta": meta or {}, "optimizers": kinds}
     commit = Commit(root, step, tmp, manifest, group, keep)
     # 4. Write, 5. commit, 6. retain: here, or in a thread once the tensors are copied to host memory.
     if async_save:
-        return _save_in_background(flat, commit, [*optimizers, *(extra or {}).values()])
-    return _write_and_commit(flat, commit)
+        done = _save_in_background(flat, commit, [*optimizers, *(extra or {}).values()])
+    else:
+        done = _write_and_commit(flat, commit)
+    _lineage.update(dict.fromkeys(model.modules(), step))  # it holds step's state: its next save continues from it
+    return done
 
 def load(path, model, optimizer=None, extra=None, *, strict=True, verify=True, timeout=DEFAULT_TIMEOUT):
     """Restore the highest step under path, or the checkpoint at path; return its step (None if there is none).
@@ -158,17 +155,19 @@ def load(path, model, optimizer=None, extra=None, *, strict=True, verify=True, t
     if ckpt_dir is None:
         _say_why_none(path)
         return None
-    # 2. Check what must be trusted before it is read; this rank's CRCs run from here, beside DCP's reads.
-    found = _each(group, f"load: check {ckpt_dir}", _open, ckpt_dir, optimizers, verify)
-    # 3. Match the objects, once their small values are read; every model key must be some rank's.
-    small = _read(found, dict.fromkeys(_small_keys(found, objects)), group)
-    request, loaded = _each(group, f"load: match {ckpt_dir} to the model", _match, found, small, model, objects, strict)
-    _check_covered(group, found, {*request, *small}, strict, resuming=bool(optimizers))
-    # 4. Read into the live shards and the objects' tensors; 5. restore.
-    _part_loaded.update(model.modules())  # until every rank restored it all; a torch.compile wrapper is the model
-    _read(found, request, group)
-    _each(group, f"load: restore {ckpt_dir}", _restore, found, request, loaded, model, strict)
-    _part_loaded.difference_update(model.modules())
+    # The CRC thread is joined before load() returns: none of ckpt's outlives a call (a fork beside one is unsafe).
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-verify") as pool:
+        # 2. Check what must be trusted before it is read; this rank's CRCs run from here, beside DCP's reads.
+        found = _each(group, f"load: check {ckpt_dir}", _open, ckpt_dir, optimizers, verify, pool)
+        # 3. Match the objects, once their small values are read; every model key must be some rank's.
+        small = _read(found, dict.fromkeys(_small_keys(found, objects)), group)
+        request, loaded = _each(group, f"load: match {ckpt_dir}", _match, found, small, model, objects, strict)
+        _check_covered(group, found, {*request, *small}, strict, resuming=bool(optimizers))
+        # 4. Read into the live shards and the objects' tensors; 5. restore.
+        _part_loaded.update(model.modules())  # until every rank restored it all; a torch.compile wrapper is the model
+        _read(found, request, group)
+        _each(group, f"load: restore {ckpt_dir}", _restore, found, request, loaded, model, strict)
+        _part_loaded.difference_update(model.modules())
     if optimizers:  # a resume: the run continues from this step
         _lineage.update(dict.fromkeys(model.modules(), found.step))
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, found.step, found.world_size)
@@ -207,9 +206,120 @@ def wait_pending():  # ckpt's work in a thread (appendix A) is over; raises a fa
 def _continues_from(model):  # any module: a torch.compile wrapper finds its model's
     return next((_lineage[m] for m in model.modules() if m in _lineage), None)
 
+# ---- coordination: a gloo group with a long timeout; every rank learns of any rank's failure ----
+
+def checkpoint_group(timeout=DEFAULT_TIMEOUT):
+    """The gloo group of every checkpoint collective (None without a process group: a world of one). Its own long
+    timeout: training's short one (for a hung rank) would kill the job in a save to slow storage; gloo: off the GPU."""
+    if not dist.is_initialized():
+        return None
+    timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+    if timeout not in _groups:
+        _groups[timeout] = _collective("make ckpt's process group", dist.new_group, backend="gloo", timeout=timeout)
+    return _groups[timeout]
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+def _world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+def _as_list(optimizer):
+    return [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+def _collective(what, fn, *args, **kwargs):  # a timeout, a peer gone, a destroyed group: a CheckpointError
+    if kwargs.get("group") is not None and not dist.is_initialized():  # a save in flight outlived its world
+        raise CheckpointError(f"checkpoint coordination failed at '{what}': the process group was destroyed before "
+                              "ckpt.close()")
+    start = time.monotonic()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        limit = next((timeout for timeout, g in _groups.items() if g is kwargs.get("group")), None)
+        _groups.clear()  # a gloo group that failed is unusable: the next call makes a fresh one
+        waited = time.monotonic() - start
+        why = (f"a rank left it after {waited:.1f} s (it crashed, or its process group was destroyed)"
+               if limit and waited < 0.9 * limit.total_seconds() else
+               "not every rank reached it within the checkpoint timeout (called on every rank? crashed or hung?)")
+        raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {_rank()}: {why}: "
+                              f"{_describe(e)}") from e
+
+def _attempt(fn, *args):  # a local step's (value, None), or (None, the exception): the ranks vote on it next
+    try:
+        return fn(*args), None
+    except FAILURES as e:
+        log.debug("on rank %d", _rank(), exc_info=True)
+        return None, e
+
+def _each(group, what, fn, *args):  # fn(*args) on every rank: a failure on any raises on every rank
+    value, error = _attempt(fn, *args)
+    _vote(group, what, error)
+    return value
+
+def _rank0(group, what, fn, *args):  # fn(*args) on rank 0 alone (it alone touches the root): its value, everywhere
+    value, error = _attempt(fn, *args) if _rank() == 0 else (None, None)
+    mine = {"rank 0": (value, None if error is None else _describe(error))} if _rank() == 0 else {}
+    value, message = _vote(group, what, claims=mine)["rank 0"]
+    if message is not None:
+        raise CheckpointError(f"{what}: {message}") from error
+    return value
+
+def _describe(e, only_mine=False):  # in one line; only_mine: of DCP's failures, which name every rank's, this rank's
+    # alone, so that each is counted once ("": it failed because another rank did)
+    if isinstance(e, dcp.CheckpointException):
+        return "; ".join(("" if only_mine else f"on rank {rank}: ") + _describe(error)
+                         for rank, (error, _) in e.failures.items() if not only_mine or rank == _rank())
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"  # ours say what they are
+
+def _vote(group, what, error=None, args=None, claims=None):
+    """Raise the same CheckpointError on every rank if a rank failed (error: its exception, chained there), was
+    given other args, or claims a value under a name ({name: value}) that another rank claims otherwise. One
+    all-reduce of five numbers if all ranks agree exactly; else all is gathered. Returns every rank's claims."""
+    given = [f"{name}={value!r}" for name, value in (args or {}).items()] + ([f"(in {what})"] if args else [])
+    mine = (None if error is None else _describe(error, only_mine=True), given, claims or {})
+    reports = [mine]
+    if group is not None:
+        votes = torch.tensor([error is not None, *_signed(given), *_signed(sorted(mine[2].items()))])
+        _collective(what, dist.all_reduce, votes, op=dist.ReduceOp.MAX, group=group)
+        if votes[0] == 0 and votes[1] == -votes[2] and votes[3] == -votes[4]:
+            return mine[2]  # nobody failed, and each largest digest is also the smallest: all alike
+        reports = [None] * dist.get_world_size()
+        _collective(what, dist.all_gather_object, reports, mine, group=group)
+    failed = [f"rank {r}: {message}" for r, (message, _, _) in enumerate(reports) if message]  # "": another did
+    if any(message is not None for message, _, _ in reports):
+        raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed)) from error
+    alike = set.intersection(*[set(other) for _, other, _ in reports])  # what every rank was given
+    if any(len(other) > len(alike) for _, other, _ in reports):
+        ranks = [f"rank {r}: " + " ".join(sorted(set(other) - alike)) for r, (_, other, _) in enumerate(reports)]
+        raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
+    holders = collections.defaultdict(lambda: collections.defaultdict(list))  # name -> value -> ranks
+    for r, (_, _, claimed) in enumerate(reports):
+        for name, value in claimed.items():
+            holders[name][repr(value)].append(r)
+    differ = {name: list(ranks.values()) for name, ranks in sorted(holders.items()) if len(ranks) > 1}
+    if differ:
+        raise CheckpointError(_disagreement(what, differ))
+    return {name: value for _, _, claimed in reports for name, value in claimed.items()}
+
+def _signed(value):  # a 60-bit digest of value, and its negation: one MAX all-reduce yields the largest and smallest
+    digest = int(hashlib.sha256(repr(value).encode()).hexdigest()[:15], 16)
+    return digest, -digest
+
+def _disagreement(what, differ):  # {path: [ranks holding one value, ranks holding another, ...]}
+    def ranks(group):
+        return " ".join(map(str, group[:4])) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
+    shown = [f"{path} (ranks {' | '.join(map(ranks, groups))})" for path, groups in list(differ.items())[:5]]
+    advice = {"model": "a buffer that ranks update alone: make it equal (broadcast it)",
+              "optim": "an option, or state each rank computes alone (LBFGS's prev_loss, from its loss): make it equal",
+              "extra": "state of each rank's own (a data position, a residual): wrap it as ckpt.PerRank(obj); of "
+                       "each pipeline stage's own: give each stage's its own name; else make it equal"}
+    kinds = sorted({path.split(".")[0] for path in differ})
+    return (f"{what}: {len(differ)} value(s) stored once differ among the ranks that hold them: {'; '.join(shown)}. "
+            + "; ".join(f"{kind}.*: {advice[kind]}" for kind in kinds) + ". Nothing was written")
+
 # ---- save, step by step ----
 
-def _collect(step, keep, model, optimizers, extra, rng, meta, once):  # step 1, on every rank: {key: value}
+def _collect(step, keep, model, optimizers, extra, rng, meta, digests):  # step 1, on every rank: {key: value}
     if not _count(step, 0) or not (keep is None or _count(keep, 1)):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
     try:
@@ -219,7 +329,7 @@ def _collect(step, keep, model, optimizers, extra, rng, meta, once):  # step 1, 
     if any(m in _part_loaded for m in model.modules()):  # its shards would mix what ranks read and did not read
         raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
                               "optimizers may hold part of it: load() again before saving")
-    compare = once if _world_size() > 1 else None  # a world of one has nobody to disagree with
+    compare = digests if _world_size() > 1 else None  # a world of one has nobody to disagree with
     model_sd = get_model_state_dict(model)
     names = _param_names(model, model_sd)
     params = {fqn for fqns in names.values() for fqn in fqns}  # kept equal by the gradient all-reduce
@@ -249,17 +359,17 @@ def _collect(step, keep, model, optimizers, extra, rng, meta, once):  # step 1, 
 # the paths start from base. Stored as {"state": value, "tensors": tensors}.
 Skeleton = collections.namedtuple("Skeleton", "value tensors base")
 
-def _lift(value, base, flat, once, compare_tensors=True):
+def _lift(value, base, flat, digests, compare_tensors=True):
     """Each tensor of value into flat, at its path (flat=None: it stays in the value, copied, for an async save);
-    once: the digest of each leaf (but DTensors', and tensors' unless compare_tensors) and of each container's keys."""
+    digests: of each leaf (not DTensors, nor tensors unless compare_tensors) and of each container's keys."""
     tensors = {}
     def leaf(path, x):
         if type(x) not in PLAIN and not isinstance(x, torch.Tensor):  # exact: numpy's float64 would not come back
             raise CheckpointError(f"{path} is a {type(x).__module__}.{type(x).__qualname__}, which load() cannot "
                                   "restore without running code from the checkpoint: convert it in state_dict() (or "
                                   "get_extra_state()), and back")
-        if once is not None and not isinstance(x, DTensor) and (compare_tensors or not isinstance(x, torch.Tensor)):
-            once[path] = _digest(path, x)
+        if digests is not None and not isinstance(x, DTensor) and (compare_tensors or not isinstance(x, torch.Tensor)):
+            digests[path] = _digest(path, x)
         if not isinstance(x, torch.Tensor):
             return x
         if flat is None:
@@ -269,8 +379,8 @@ def _lift(value, base, flat, once, compare_tensors=True):
         flat[path], tensors[path] = x, "DTensor" if isinstance(x, DTensor) else "Tensor"
         return None
     skeleton = Skeleton(_walk(value, leaf, base), tensors, base)
-    if once is not None and type(value) in (dict, collections.OrderedDict, list, tuple):  # its keys, by its path
-        once[base] = _digest(base, repr(_walk(skeleton.value, lambda path, x: type(x).__name__)))
+    if digests is not None and type(value) in (dict, collections.OrderedDict, list, tuple):  # its keys, by its path
+        digests[base] = _digest(base, repr(_walk(skeleton.value, lambda path, x: type(x).__name__)))
     return skeleton
 
 def _walk(value, leaf, path=""):  # value, with leaf(path, x) for each leaf x of its containers
@@ -322,7 +432,7 @@ class OptimizerByName:
             raise CheckpointError(f"{self.kind} holds parameters that are not the model's")
         self.fqns = [names[p][0] for p in self.params]
 
-    def key(self, base):  # under its first parameter's name: pipeline stages, holding others, never write one key
+    def key(self, base):  # under its first parameter's name: two pipeline stages never write the same key
         return f"{base}.groups.{self.fqns[0] if self.fqns else ''}"
 
     def state_dict(self):
@@ -380,9 +490,14 @@ def _prepare(root, step, lineage):  # step 3, rank 0
     os.makedirs(tmp)  # not fsynced: lost in a crash, it held nothing committed; the commit's fsyncs cover it
     return tmp
 
-def _check_shared(group, path):  # a rank that cannot see what rank 0 made has a node-local root: shards would scatter
-    _vote(group, "shared storage check", None if os.path.exists(path) else CheckpointError(
-        f"cannot see {path}: the root must be on storage shared by every rank"))
+def _check_shared(group, path, made=False):  # a rank that cannot see what rank 0 made: shards would scatter
+    try:
+        _vote(group, "shared storage check", None if os.path.exists(path) else CheckpointError(
+            f"cannot see {path}: the root must be on storage shared by every rank"))
+    except CheckpointError:
+        if made and _rank() == 0:  # not left for the next run to clean
+            shutil.rmtree(path, ignore_errors=True)
+        raise
 
 Commit = collections.namedtuple("Commit", "root step tmp manifest group keep")
 
@@ -392,7 +507,7 @@ def _write_and_commit(flat, c, planner=None):  # steps 4-6 on every rank; append
         mine = {_rank(): (files, None if error is None else _describe(error, only_mine=True))}
         written = _vote(c.group, f"save of step {c.step}: writing", claims=mine)  # each rank's files, or its failure
         path = _rank0(c.group, f"save of step {c.step}", _commit, c, written)
-    except CheckpointError:  # a rank lost mid-write: nothing is committed
+    except CheckpointError:  # a rank failed or was lost: rank 0 removes what it did not commit
         if _rank() == 0:
             shutil.rmtree(c.tmp, ignore_errors=True)
         raise
@@ -404,7 +519,7 @@ def _write(flat, tmp, group, planner):  # step 4: DCP writes every rank's files;
     # flatten off: our keys are flat already, and DCP would rebuild a skeleton (its keys into str, empty dicts gone)
     planner = planner or dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     _dcp(dcp.save, flat, storage_writer=writer, planner=planner, process_group=group)
-    names = _share(os.listdir(tmp))
+    names = _my_files(os.listdir(tmp))
     crcs = chunk_crcs([os.path.join(tmp, name) for name in names])  # from the page cache, not DCP's stream
     return {name: {"bytes": os.path.getsize(os.path.join(tmp, name)), "crc32": crc} for name, crc in zip(names, crcs)}
 
@@ -460,6 +575,101 @@ def _retain(root, keep):  # step 6, rank 0: a failure is logged, the commit stan
 def _unique(root, prefix, step):
     return os.path.join(root, f"{prefix}step-{step:08d}-{os.urandom(4).hex()}")
 
+# ---- the root: one live run writes to it, and it continues the newest commit ----
+
+def _claim(root, lineage, step=None, rollback_to=None, lock=True):
+    """Rank 0: make this run the only writer of root (two runs on one root delete each other's saves in progress,
+    each taking them for a crashed run's); then hold the branch rule for a save of step (None: check_root())."""
+    first = root not in _locks
+    if first:
+        if not _locks:  # a forked child (a DataLoader worker) is not the run
+            os.register_at_fork(after_in_child=_release_in_child)
+        _locks[root] = _lock(root, lock)
+    try:
+        _check_branch(root, lineage, step, rollback_to)
+    except CheckpointError:
+        if first:  # this run does not hold the root: its record goes, and the lock with the file
+            _release(root)
+        raise
+    if first:
+        _clean(root)
+    if rollback_to is not None:
+        _roll_back(root, rollback_to)
+
+def _check_branch(root, lineage, step, rollback_to):  # the branch rule (module docstring); rollback_to: steps above go
+    if rollback_to is not None and rollback_to != lineage:
+        raise CheckpointError(f"rollback_to={rollback_to}, but the model continues from " + (
+            "no step (it was not resumed)" if lineage is None else f"step {lineage}") + ": roll back to the one loaded")
+    steps = {s: name for s, name in _steps(root).items() if rollback_to is None or s <= rollback_to}
+    newest = max(steps, default=-1)
+    if newest >= 0 and lineage is None:
+        raise CheckpointError(f"{root} holds checkpoints up to {os.path.join(root, steps[newest])}, and this run "
+                              "loaded none of them into its model as a resume (load() with the optimizer; a "
+                              "weights-only load is an initialisation): resume from the root, or use another")
+    for limit, what in ((step, "the step saved"), (lineage, "the step its model continues from")):
+        if limit is not None and newest > limit:
+            raise CheckpointError(f"{root} holds {steps[newest]}, a later step than {limit} ({what}), which a resume "
+                                  "would continue from. To give up the later steps: ckpt.check_root(root, model, "
+                                  "rollback_to=<the step loaded>)")
+
+def _clean(root):  # rank 0, at its first claim: what a run that is gone left (no other run writes here)
+    markers = sorted(step for kind, step in map(_entry, os.listdir(root)) if kind == "rollback")
+    if markers:  # a rollback cut short: finish it
+        _roll_back(root, markers[0])
+    for name in os.listdir(root):
+        (kind, step), path = _entry(name), os.path.join(root, name)
+        if kind == "replaced" and not os.path.isdir(step_dir(root, step)):
+            os.rename(path, step_dir(root, step))  # killed between a save's two renames: the older copy is step N
+            fsync_dir(root)
+            log.warning("%s is step %d again: a save of that step was interrupted", step_dir(root, step), step)
+        elif kind in ("tmp", "replaced"):
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("removed %s, left by an interrupted save", path)
+
+def _lock(root, lock):
+    """An exclusive flock on root's .owner.json, which the kernel (or NFS's lock manager) releases once every
+    process holding the file open is gone: no pid or age is guessed at. The file names the run that holds it."""
+    if not os.path.isdir(root):
+        log.info("making %s, a new checkpoint root", root)
+    os.makedirs(root, exist_ok=True)
+    owner = os.open(os.path.join(root, OWNER), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # relies on the file system's locks (NFS with locking, Lustre -o flock); one of two takers at once wins
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        how = "nothing holds its lock, so that run is gone"
+    except OSError as e:
+        if lock or e.errno not in NO_FLOCK:  # lock=False goes on where flock() is missing, not where it is held
+            holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
+            os.close(owner)
+            raise (_refusal(root, e, holder) if isinstance(e, BlockingIOError) or e.errno in NO_FLOCK else e) from None
+        how = "its file system has no flock(), and lock=False says that no other run writes here"
+    previous = os.read(owner, 4096).decode(errors="replace")
+    if previous:
+        log.warning("taking over %s from %s: %s", root, previous, how)
+    me = {"host": os.uname().nodename, "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(owner, 0)
+    os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the runs it refuses
+    return owner
+
+def _refusal(root, error, holder):  # why _lock() refused root
+    if isinstance(error, BlockingIOError):
+        return CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
+                               "or use another root (load() takes no claim: an evaluation job can read it).")
+    return CheckpointError(f"{root}: its file system refuses flock() ({error.strerror}), which keeps a second run from "
+                           "writing here. Lustre: mount with -o flock (-o localflock locks within one node only); NFS: "
+                           "run its lock manager. If your scheduler runs one job per root, say so: ckpt.check_root("
+                           "root, model, lock=False) (then nothing stops a second run from deleting this one's saves)")
+
+def _release(root):  # rank 0: this run no longer writes to root
+    owner = _locks.pop(root)
+    os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
+    os.close(owner)  # releases the lock
+
+def _release_in_child():  # after os.fork(), in the child: its copy of the lock's file would keep the lock held
+    for owner in _locks.values():
+        os.close(owner)
+    _locks.clear()
+
 # ---- load, step by step ----
 
 def _say_why_none(path):  # rank 0: a wrong path, or a root whose only save was interrupted
@@ -478,22 +688,20 @@ def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged 
 # The checkpoint being loaded; crcs: a Future of the CRC errors of this rank's files, checked beside the reads.
 Checkpoint = collections.namedtuple("Checkpoint", "dir step world_size metadata crcs verify")
 
-def _open(ckpt_dir, optimizers, verify):  # step 2, on every rank
+def _open(ckpt_dir, optimizers, verify, pool):  # step 2, on every rank
     try:
         manifest = read_manifest(ckpt_dir)
-    except CheckpointError as e:  # a foreign directory is not a damaged one
-        what = "a damaged checkpoint" if _entry(os.path.basename(ckpt_dir))[0] else ckpt_dir
+    except CheckpointError as e:  # a foreign directory is not a damaged one, nor is one that is gone
+        damaged = _entry(os.path.basename(ckpt_dir))[0] and os.path.isdir(ckpt_dir)
+        what = "a damaged checkpoint" if damaged else ckpt_dir
         raise CheckpointError(f"refusing to load {what}: {e}.{_instead(ckpt_dir)}") from None
-    mine = _share(manifest["files"])
+    mine = _my_files(manifest["files"])
     sizes = verify_files(ckpt_dir, manifest, mine, False)  # this rank's files; .metadata whole before it is unpickled
     _refuse(ckpt_dir, sizes + verify_files(ckpt_dir, manifest, [".metadata"], verify))
     try:
         metadata = read_metadata(ckpt_dir)
     except CheckpointError as e:  # removed by another run's retention since (_instead() says so), or too new
-        newer = os.path.isdir(ckpt_dir) and manifest["torch_version"] != torch.__version__
-        raise CheckpointError(f"{e}: torch {manifest['torch_version']} saved it, and an older torch may not read a "
-                              f"newer one's metadata (this is {torch.__version__})" if newer else
-                              f"{e}.{_instead(ckpt_dir)}") from None
+        raise CheckpointError(f"{e} (torch {manifest['torch_version']} saved it).{_instead(ckpt_dir)}") from None
     for info in (metadata.storage_data or {}).values():  # the files DCP will open: this checkpoint's only
         if getattr(info, "relative_path", None) not in manifest["files"]:
             raise CheckpointError(f"{ckpt_dir}/.metadata names {getattr(info, 'relative_path', info)!r}, not a file "
@@ -502,9 +710,7 @@ def _open(ckpt_dir, optimizers, verify):  # step 2, on every rank
     if optimizers and manifest["optimizers"] != kinds:
         raise CheckpointError(f"{ckpt_dir} was saved with optimizers {manifest['optimizers']}, not {kinds}: pass "
                               "the same ones, in the same order (to load the weights alone, pass optimizer=None)")
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-verify")
     crcs = pool.submit(verify_files, ckpt_dir, manifest, mine)  # ahead of DCP, which reads from the cache
-    pool.shutdown(wait=False)
     return Checkpoint(ckpt_dir, manifest["step"], manifest["world_size"], metadata, crcs, verify)
 
 def _refuse(ckpt_dir, damage):  # damage: the errors verify_files() found
@@ -670,7 +876,7 @@ def find_checkpoint(path):
     steps = _steps(path)
     return os.path.join(path, steps[max(steps)]) if steps else None
 
-def _share(names):  # the files this rank checks: the first number in a name modulo the world size (__r_0.distcp)
+def _my_files(names):  # the files this rank checks: the first number in a name modulo the world size (__r_0.distcp)
     return sorted(name for name in names if int((re.findall(r"\d+", name) or [0])[0]) % _world_size() == _rank())
 
 def chunk_crcs(paths):
@@ -783,232 +989,10 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):  # into the caller's dict by key;
     def load_bytes(self, read_item, value):
         self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True, map_location="cpu")
 
-def _dcp(fn, *args, **kwargs):  # dcp.save() or dcp.load(); without a group, alone, without its warning that it is
+def _dcp(fn, *args, **kwargs):  # dcp.save() or dcp.load(); no group: this process alone (DCP's warning silenced)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return fn(*args, no_dist=kwargs.get("process_group") is None, **kwargs)
-
-# ---- coordination: a gloo group with a long timeout; every rank learns of any rank's failure ----
-
-def checkpoint_group(timeout=DEFAULT_TIMEOUT):
-    """The gloo group of every checkpoint collective (None without a process group: a world of one). Its own long
-    timeout: training's short one (for a hung rank) would kill the job in a save to slow storage; gloo: off the GPU."""
-    if not dist.is_initialized():
-        return None
-    timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-    if timeout not in _groups:
-        _groups[timeout] = _collective("make ckpt's process group", dist.new_group, backend="gloo", timeout=timeout)
-    return _groups[timeout]
-
-def _rank():
-    return dist.get_rank() if dist.is_initialized() else 0
-
-def _world_size():
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-def _as_list(optimizer):
-    return [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-
-def _collective(what, fn, *args, **kwargs):  # a timeout, a peer gone, a destroyed group: a CheckpointError
-    if kwargs.get("group") is not None and not dist.is_initialized():  # a save in flight outlived its world
-        raise CheckpointError(f"checkpoint coordination failed at '{what}': the process group was destroyed before "
-                              "ckpt.close()")
-    start = time.monotonic()
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:
-        limit = next((timeout for timeout, g in _groups.items() if g is kwargs.get("group")), None)
-        _groups.clear()  # a gloo group that failed is unusable: the next call makes a fresh one
-        waited = time.monotonic() - start
-        why = (f"a rank left it after {waited:.1f} s (it crashed, or its process group was destroyed)"
-               if limit and waited < 0.9 * limit.total_seconds() else
-               "not every rank reached it within the checkpoint timeout (called on every rank? crashed or hung?)")
-        raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {_rank()}: {why}: "
-                              f"{_describe(e)}") from e
-
-def _attempt(fn, *args):  # a local step's (value, None), or (None, the exception): the ranks vote on it next
-    try:
-        return fn(*args), None
-    except FAILURES as e:
-        log.debug("on rank %d", _rank(), exc_info=True)
-        return None, e
-
-def _each(group, what, fn, *args):  # fn(*args) on every rank: a failure on any raises on every rank
-    value, error = _attempt(fn, *args)
-    _vote(group, what, error)
-    return value
-
-def _rank0(group, what, fn, *args):  # fn(*args) on rank 0 alone (it alone touches the root): its value, everywhere
-    value, error = _attempt(fn, *args) if _rank() == 0 else (None, None)
-    mine = {"rank 0": (value, None if error is None else _describe(error))} if _rank() == 0 else {}
-    value, message = _vote(group, what, claims=mine)["rank 0"]
-    if message is not None:
-        raise CheckpointError(f"{what}: {message}") from error
-    return value
-
-def _describe(e, only_mine=False):  # in one line; only_mine: of DCP's failures, which name every rank's, this rank's
-    # alone, so that each is counted once ("": it failed because another rank did)
-    if isinstance(e, dcp.CheckpointException):
-        return "; ".join(("" if only_mine else f"on rank {rank}: ") + _describe(error)
-                         for rank, (error, _) in e.failures.items() if not only_mine or rank == _rank())
-    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"  # ours say what they are
-
-def _vote(group, what, error=None, args=None, claims=None):
-    """Raise the same CheckpointError on every rank if a rank failed (error: its exception, chained there), was
-    given other args, or claims a value under a name ({name: value}) that another rank claims otherwise. One
-    all-reduce of five numbers if all ranks agree exactly; else all is gathered. Returns every rank's claims."""
-    given = [f"{name}={value!r}" for name, value in (args or {}).items()] + ([f"(in {what})"] if args else [])
-    mine = (None if error is None else _describe(error, only_mine=True), given, claims or {})
-    reports = [mine]
-    if group is not None:
-        votes = torch.tensor([error is not None, *_signed(given), *_signed(sorted(mine[2].items()))])
-        _collective(what, dist.all_reduce, votes, op=dist.ReduceOp.MAX, group=group)
-        if votes[0] == 0 and votes[1] == -votes[2] and votes[3] == -votes[4]:
-            return mine[2]  # nobody failed, and each largest digest is also the smallest: all alike
-        reports = [None] * dist.get_world_size()
-        _collective(what, dist.all_gather_object, reports, mine, group=group)
-    failed = [f"rank {r}: {message}" for r, (message, _, _) in enumerate(reports) if message]  # "": another did
-    if any(message is not None for message, _, _ in reports):
-        raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed)) from error
-    alike = set.intersection(*[set(other) for _, other, _ in reports])  # what every rank was given
-    if any(len(other) > len(alike) for _, other, _ in reports):
-        ranks = [f"rank {r}: " + " ".join(sorted(set(other) - alike)) for r, (_, other, _) in enumerate(reports)]
-        raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
-    holders = collections.defaultdict(lambda: collections.defaultdict(list))  # name -> value -> ranks
-    for r, (_, _, claimed) in enumerate(reports):
-        for name, value in claimed.items():
-            holders[name][repr(value)].append(r)
-    differ = {name: list(ranks.values()) for name, ranks in sorted(holders.items()) if len(ranks) > 1}
-    if differ:
-        raise CheckpointError(_disagreement(what, differ))
-    return {name: value for _, _, claimed in reports for name, value in claimed.items()}
-
-def _signed(value):  # a 60-bit digest of value, and its negation: one MAX all-reduce yields the largest and smallest
-    digest = int(hashlib.sha256(repr(value).encode()).hexdigest()[:15], 16)
-    return digest, -digest
-
-def _disagreement(what, differ):  # {path: [ranks holding one value, ranks holding another, ...]}
-    def ranks(group):
-        return " ".join(map(str, group[:4])) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
-    shown = [f"{path} (ranks {' | '.join(map(ranks, groups))})" for path, groups in list(differ.items())[:5]]
-    advice = {"model": "a buffer that ranks update alone: make it equal (broadcast it)",
-              "optim": "an option, or state each rank computes alone (LBFGS's prev_loss, from its loss): make it equal",
-              "extra": "state of each rank's own (a data position, a residual): wrap it as ckpt.PerRank(obj); of "
-                       "each pipeline stage's own: give each stage's its own name; else make it equal"}
-    kinds = sorted({path.split(".")[0] for path in differ})
-    return (f"{what}: {len(differ)} value(s) stored once differ among the ranks that hold them: {'; '.join(shown)}. "
-            + "; ".join(f"{kind}.*: {advice[kind]}" for kind in kinds) + ". Nothing was written")
-
-# ---- the root: one live run writes to it, and it continues the newest commit ----
-
-def _claim(root, lineage, step=None, rollback_to=None, lock=True):
-    """Rank 0: make this run the only writer of root (two runs on one root delete each other's saves in progress,
-    each taking them for a crashed run's); then hold the branch rule for a save of step (None: check_root())."""
-    first = root not in _locks
-    if first:
-        if not _locks:  # a forked child (a DataLoader worker) is not the run
-            os.register_at_fork(after_in_child=_release_in_child)
-        _locks[root] = _lock(root, lock)
-    try:
-        _check_branch(root, lineage, step, rollback_to)
-    except CheckpointError:
-        if first:  # this run does not hold the root: its record goes, and the lock with the file
-            _release(root)
-        raise
-    if first:
-        _clean(root)
-    if rollback_to is not None:
-        _roll_back(root, rollback_to)
-
-def _check_branch(root, lineage, step, rollback_to):  # the branch rule (module docstring), after the rollback said
-    if rollback_to is not None and rollback_to != lineage:
-        raise CheckpointError(f"rollback_to={rollback_to}, but the model continues from " + (
-            "no step (it was not resumed)" if lineage is None else f"step {lineage}") + ": roll back to the one loaded")
-    steps = {s: name for s, name in _steps(root).items() if rollback_to is None or s <= rollback_to}
-    newest = max(steps, default=-1)
-    if newest >= 0 and lineage is None:
-        raise CheckpointError(f"{root} holds checkpoints up to {os.path.join(root, steps[newest])}, and this run "
-                              "loaded none of them into its model as a resume (load() with the optimizer; a "
-                              "weights-only load is an initialisation): resume from the root, or use another")
-    for limit, what in ((step, "the step saved"), (lineage, "the step its model continues from")):
-        if limit is not None and newest > limit:
-            raise CheckpointError(f"{root} holds {steps[newest]}, a later step than {limit} ({what}), which a resume "
-                                  "would continue from. To give up the later steps: ckpt.check_root(root, model, "
-                                  "rollback_to=<the step loaded>)")
-
-def _clean(root):  # rank 0, at its first claim: what a run that is gone left (no other run writes here)
-    markers = sorted(step for kind, step in map(_entry, os.listdir(root)) if kind == "rollback")
-    if markers:  # a rollback cut short: finish it
-        _roll_back(root, markers[0])
-    for name in os.listdir(root):
-        (kind, step), path = _entry(name), os.path.join(root, name)
-        if kind == "replaced" and not os.path.isdir(step_dir(root, step)):
-            os.rename(path, step_dir(root, step))  # killed between a save's two renames: the older copy is step N
-            fsync_dir(root)
-            log.warning("%s is step %d again: a save of that step was interrupted", step_dir(root, step), step)
-        elif kind in ("tmp", "replaced"):
-            shutil.rmtree(path, ignore_errors=True)
-            log.warning("removed %s, left by an interrupted save", path)
-
-def _roll_back(root, step):  # every step after `step` moved aside, durably; the marker first
-    with open(os.path.join(root, f"{ROLLBACK}{step:08d}"), "w"):
-        pass
-    fsync_dir(root)  # from here, load() never chooses a given-up step (_steps()); the next claim finishes a crashed one
-    for name in sorted(os.listdir(root)):
-        kind, s = _entry(name)
-        if kind in ("commit", "replaced") and s > step:
-            aside = _unique(root, ABANDONED, s)
-            os.rename(os.path.join(root, name), aside)
-            log.warning("moved aside %s as %s: given up by a rollback to step %d", name, os.path.basename(aside), step)
-    fsync_dir(root)
-    for name in os.listdir(root):
-        if _entry(name)[0] == "rollback":
-            os.remove(os.path.join(root, name))
-    fsync_dir(root)  # a marker back after a power cut would hide this run's own later commits
-
-def _lock(root, lock):
-    """An exclusive flock on root's .owner.json, which the kernel (or NFS's lock manager) releases once every
-    process holding the file open is gone: no pid or age is guessed at. The file names the run that holds it."""
-    if not os.path.isdir(root):
-        log.info("making %s, a new checkpoint root", root)
-    os.makedirs(root, exist_ok=True)
-    owner = os.open(os.path.join(root, OWNER), os.O_RDWR | os.O_CREAT, 0o644)
-    try:  # relies on the file system's locks (NFS with locking, Lustre -o flock); one of two takers at once wins
-        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        how = "nothing holds its lock, so that run is gone"
-    except OSError as e:
-        if lock or e.errno not in NO_FLOCK:  # lock=False goes on where flock() is missing, not where it is held
-            holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
-            os.close(owner)
-            raise (_refusal(root, e, holder) if isinstance(e, BlockingIOError) or e.errno in NO_FLOCK else e) from None
-        how = "its file system has no flock(), and lock=False says that no other run writes here"
-    previous = os.read(owner, 4096).decode(errors="replace")
-    if previous:
-        log.warning("taking over %s from %s: %s", root, previous, how)
-    me = {"host": os.uname().nodename, "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
-          "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    os.ftruncate(owner, 0)
-    os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the runs it refuses
-    return owner
-
-def _refusal(root, error, holder):  # why _lock() refused root
-    if isinstance(error, BlockingIOError):
-        return CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
-                               "or use another root (load() takes no claim: an evaluation job can read it).")
-    return CheckpointError(f"{root}: its file system refuses flock() ({error.strerror}), which keeps a second run from "
-                           "writing here. Lustre: mount with -o flock (-o localflock locks within one node only); NFS: "
-                           "run its lock manager. If your scheduler runs one job per root, say so: ckpt.check_root("
-                           "root, model, lock=False) (then nothing stops a second run from deleting this one's saves)")
-
-def _release(root):  # rank 0: this run no longer writes to root
-    owner = _locks.pop(root)
-    os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
-    os.close(owner)  # releases the lock
-
-def _release_in_child():  # after os.fork(), in the child: its copy of the lock's file would keep the lock held
-    for owner in _locks.values():
-        os.close(owner)
-    _locks.clear()
 
 # ---- appendix A: background saves. save(async_save=True) reaches them through _save_in_background() alone ----
 
@@ -1026,7 +1010,10 @@ def _save_in_background(flat, commit, holders):  # save()'s one call into this a
     return PendingSave(_copy_and_write, flat, commit, copy, copy=copy, hooks=hooks)
 
 def _copy_and_write(flat, commit, copy):  # the save's thread, on every rank: the copy, then steps 4-6
-    copy.run()
+    try:
+        copy.run()
+    except Exception as e:  # fails every rank at the write's plan: a rank that left alone would hang the others
+        copy.error = copy.error or f"copy to host memory: {_describe(e)}"
     return _write_and_commit(flat, commit, HostPlanner(copy))
 
 class PendingSave:
@@ -1267,3 +1254,21 @@ def ignore_sigterm(worker_id):
             pass
         os._exit(0)
     threading.Thread(target=wait, daemon=True).start()
+
+# ---- appendix C: rollback. check_root(rollback_to=N) and the claim that finds one cut short call _roll_back() ----
+
+def _roll_back(root, step):  # every step after `step` moved aside, durably; the marker first
+    with open(os.path.join(root, f"{ROLLBACK}{step:08d}"), "w"):
+        pass
+    fsync_dir(root)  # from here, load() never chooses a given-up step (_steps()); the next claim finishes a crashed one
+    for name in sorted(os.listdir(root)):
+        kind, s = _entry(name)
+        if kind in ("commit", "replaced") and s > step:
+            aside = _unique(root, ABANDONED, s)
+            os.rename(os.path.join(root, name), aside)
+            log.warning("moved aside %s as %s: given up by a rollback to step %d", name, os.path.basename(aside), step)
+    fsync_dir(root)
+    for name in os.listdir(root):
+        if _entry(name)[0] == "rollback":
+            os.remove(os.path.join(root, name))
+    fsync_dir(root)  # a marker back after a power cut would hide this run's own later commits

@@ -296,6 +296,25 @@ pending = ckpt.save(sys.argv[1], 1, model, None, async_save=True)
 dist.destroy_process_group()  # before ckpt.close(): the save's thread finds its group gone
 '''
 
+COPY_FAILS = r'''
+import os, sys, time, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["REPO"])
+import ckpt
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:  # a failure the copy's own handling does not catch (its stream's synchronize, say)
+    def settle(self):
+        raise RuntimeError("injected: the copy failed outside its try")
+    ckpt.HostCopy.settle = settle
+model = torch.nn.Linear(64, 64)
+t0 = time.monotonic()
+try:
+    ckpt.save(sys.argv[1], 1, model, None, async_save=True, timeout=60).wait()
+except ckpt.CheckpointError as e:
+    print(f"RESULT {dist.get_rank()} {time.monotonic() - t0:.2f} {e}", flush=True)
+ckpt.close()
+dist.destroy_process_group()
+'''
+
 
 def test_peer_that_died_is_not_called_a_timeout(tmp_path):
     """Rank 1 crashes before a save; rank 0's save fails within seconds, saying a rank left after N s, not that
@@ -325,3 +344,20 @@ def test_async_save_failure_after_its_group_is_gone_is_logged(tmp_path):
     print(f"\nexit {rc}; said: {said}; root: {left}")
     assert len(said) == 2 and {ln[:7] for ln in said} == {"[rank0]", "[rank1]"}, out[-3000:]
     assert ckpt.committed_steps(root) == [] and not [n for n in left if n.startswith(ckpt.TMP)]
+
+
+def test_async_copy_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """An async save whose host copy raises on rank 1 outside the copy's own try: every rank's save fails within
+    seconds, naming the cause. Before, rank 1's thread left before DCP's plan: rank 1 raised a bare RuntimeError and
+    rank 0 failed on a lost peer, not knowing why (had rank 1 trained on, rank 0 would have waited out the checkpoint
+    timeout, an hour by default)."""
+    script = tmp_path / "copy_fails.py"
+    script.write_text(COPY_FAILS)
+    rc, out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                   str(tmp_path / "root")], timeout=150, check=False, env=dict(os.environ, REPO=REPO))
+    results = [ln.split(" ", 3) for ln in out.splitlines() if ln.startswith("RESULT ")]
+    print("\n" + "\n".join(f"rank {r}: {float(secs):.2f} s: {msg[:200]}" for _, r, secs, msg in results))
+    assert sorted(r for _, r, _, _ in results) == ["0", "1"], out[-3000:]
+    for _, _, secs, msg in results:
+        assert float(secs) < 30 and "injected: the copy failed outside its try" in msg
+    assert ckpt.committed_steps(tmp_path / "root") == []
