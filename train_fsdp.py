@@ -241,9 +241,12 @@ def train(args, device, rank, world):
     # Global sample i goes to rank i % world: the first k samples are the same at any world size. The loader's own
     # generator: else iter() draws from torch's, which load() restored (dropout would shift).
     sampler = ckpt.SkippingSampler(dataset, num_replicas=world, rank=rank, shuffle=False, seed=args.seed)
+    # Workers forked once, now, before the first collective: later, a gloo thread taking the GIL as the fork runs
+    # can hang the child in Python < 3.12 (CPython issue 112275).
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler,
                                          num_workers=args.num_workers, worker_init_fn=ckpt.ignore_sigterm,
-                                         generator=torch.Generator())
+                                         generator=torch.Generator(), persistent_workers=args.num_workers > 0)
+    iter(loader)
     preemption = ckpt.Preemption(device)  # a SIGTERM to any rank, known to every rank at the same step
     step = None
     try:  # the message of a refusal, not a traceback per rank
