@@ -6,7 +6,7 @@
     ckpt.close()                            # before dist.destroy_process_group()
 
 Every rank calls these with the same arguments and its own model, optimizers and extras ({name: an object with
-state_dict() and load_state_dict()}). A failure on any rank raises the same CheckpointError on every rank.
+state_dict() and load_state_dict()}). A failure on any rank raises a CheckpointError on every rank.
 
 Keys: model.<fqn>; optim.<i>.state.<fqn>.<name>, a parameter's state tensors; optim.<i>.groups.<its first fqn>,
 the rest of the optimizer; extra.<name>, an extra's state (a tensor at extra.<name>.<path>); rank.<r>.extra.<name>,
@@ -155,7 +155,7 @@ def load(path, model, optimizer=None, extra=None, *, strict=True, verify=True, t
     if ckpt_dir is None:
         _say_why_none(path)
         return None
-    # The CRC thread is joined before load() returns: none of ckpt's outlives a call (a fork beside one is unsafe).
+    # The CRC thread is joined before load() returns: a DataLoader that forks beside a live thread is unsafe.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-verify") as pool:
         # 2. Check what must be trusted before it is read; this rank's CRCs run from here, beside DCP's reads.
         found = _each(group, f"load: check {ckpt_dir}", _open, ckpt_dir, optimizers, verify, pool)
@@ -272,9 +272,9 @@ def _describe(e, only_mine=False):  # in one line; only_mine: of DCP's failures,
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"  # ours say what they are
 
 def _vote(group, what, error=None, args=None, claims=None):
-    """Raise the same CheckpointError on every rank if a rank failed (error: its exception, chained there), was
-    given other args, or claims a value under a name ({name: value}) that another rank claims otherwise. One
-    all-reduce of five numbers if all ranks agree exactly; else all is gathered. Returns every rank's claims."""
+    """Raise a CheckpointError on every rank if a rank failed (error, chained), was given other args, or claims a value
+    under a name that another rank claims otherwise; else return every rank's claims ({name: value}). One all-reduce of
+    five numbers (a digest and its negation per kind: the MAXes are opposite iff all agree); else a gather."""
     given = [f"{name}={value!r}" for name, value in (args or {}).items()] + ([f"(in {what})"] if args else [])
     mine = (None if error is None else _describe(error, only_mine=True), given, claims or {})
     reports = [mine]
