@@ -229,8 +229,7 @@ def _as_list(optimizer):
 
 def _collective(what, fn, *args, **kwargs):  # a timeout, a peer gone, a destroyed group: a CheckpointError
     if kwargs.get("group") is not None and not dist.is_initialized():  # a save in flight outlived its world
-        raise CheckpointError(f"checkpoint coordination failed at '{what}': the process group was destroyed before "
-                              "ckpt.close()")
+        raise CheckpointError(f"checkpoint coordination failed at '{what}': process group destroyed before close()")
     start = time.monotonic()
     try:
         return fn(*args, **kwargs)
@@ -264,8 +263,7 @@ def _rank0(group, what, fn, *args):  # fn(*args) on rank 0 alone (it alone touch
         raise CheckpointError(f"{what}: {message}") from error
     return value
 
-def _describe(e, only_mine=False):  # in one line; only_mine: of DCP's failures, which name every rank's, this rank's
-    # alone, so that each is counted once ("": it failed because another rank did)
+def _describe(e, only_mine=False):  # in one line; only_mine: of DCP's error, which lists every rank's, this rank's
     if isinstance(e, dcp.CheckpointException):
         return "; ".join(("" if only_mine else f"on rank {rank}: ") + _describe(error)
                          for rank, (error, _) in e.failures.items() if not only_mine or rank == _rank())
@@ -317,15 +315,14 @@ def _disagreement(what, differ):  # {path: [ranks holding one value, ranks holdi
     return (f"{what}: {len(differ)} value(s) stored once differ among the ranks that hold them: {'; '.join(shown)}. "
             + "; ".join(f"{kind}.*: {advice[kind]}" for kind in kinds) + ". Nothing was written")
 
-# ---- save, step by step ----
+# ---- save, steps 1 and 3: collect each rank's state by key, prepare a directory ----
 
 def _collect(step, keep, model, optimizers, extra, rng, meta, digests):  # step 1, on every rank: {key: value}
     if not _count(step, 0) or not (keep is None or _count(keep, 1)):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
-    try:
-        json.dumps(meta, sort_keys=True)  # refused now, not at the commit after every rank wrote
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"save(): meta must be JSON, its keys str: {_describe(e)}") from e
+    not_json = _attempt(lambda: json.dumps(meta, sort_keys=True))[1]  # refused now, not at the commit after the write
+    if not_json:
+        raise CheckpointError(f"save(): meta must be JSON, its keys str: {_describe(not_json)}") from not_json
     if any(m in _part_loaded for m in model.modules()):  # its shards would mix what ranks read and did not read
         raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
                               "optimizers may hold part of it: load() again before saving")
@@ -499,6 +496,103 @@ def _check_shared(group, path, made=False):  # a rank that cannot see what rank 
             shutil.rmtree(path, ignore_errors=True)
         raise
 
+# ---- the root, claimed at step 3: one live run writes to it, and it continues the newest commit ----
+
+def _claim(root, lineage, step=None, rollback_to=None, lock=True):
+    """Rank 0: make this run the only writer of root (two runs on one root delete each other's saves in progress,
+    each taking them for a crashed run's); then hold the branch rule for a save of step (None: check_root())."""
+    first = root not in _locks
+    if first:
+        if not _locks:  # a forked child (a DataLoader worker) is not the run
+            os.register_at_fork(after_in_child=_release_in_child)
+        _locks[root] = _lock(root, lock)
+    try:
+        _check_branch(root, lineage, step, rollback_to)
+    except CheckpointError:
+        if first:  # this run does not hold the root: its record goes, and the lock with the file
+            _release(root)
+        raise
+    if first:
+        _clean(root)
+    if rollback_to is not None:
+        _roll_back(root, rollback_to)
+
+def _check_branch(root, lineage, step, rollback_to):  # the branch rule (module docstring); rollback_to: steps above go
+    if rollback_to is not None and rollback_to != lineage:
+        now = f"step {lineage}" if lineage is not None else "no step (it was not resumed)"
+        raise CheckpointError(f"rollback_to={rollback_to}, but the model continues from {now}: name the step loaded")
+    steps = {s: name for s, name in _steps(root).items() if rollback_to is None or s <= rollback_to}
+    newest = max(steps, default=-1)
+    if newest >= 0 and lineage is None:
+        raise CheckpointError(f"{root} holds checkpoints up to {os.path.join(root, steps[newest])}, and this run "
+                              "loaded none of them into its model as a resume (load() with the optimizer; a "
+                              "weights-only load is an initialisation): resume from the root, or use another")
+    for limit, what in ((step, "the step saved"), (lineage, "the step its model continues from")):
+        if limit is not None and newest > limit:
+            raise CheckpointError(f"{root} holds {steps[newest]}, a later step than {limit} ({what}), which a resume "
+                                  "would continue from. To give up the later steps: ckpt.check_root(root, model, "
+                                  "rollback_to=<the step loaded>)")
+
+def _clean(root):  # rank 0, at its first claim: what a run that is gone left (no other run writes here)
+    markers = sorted(step for kind, step in map(_entry, os.listdir(root)) if kind == "rollback")
+    if markers:  # a rollback cut short: finish it
+        _roll_back(root, markers[0])
+    for name in os.listdir(root):
+        (kind, step), path = _entry(name), os.path.join(root, name)
+        if kind == "replaced" and not os.path.isdir(step_dir(root, step)):
+            os.rename(path, step_dir(root, step))  # killed between a save's two renames: the older copy is step N
+            fsync_dir(root)
+            log.warning("%s is step %d again: a save of that step was interrupted", step_dir(root, step), step)
+        elif kind in ("tmp", "replaced"):
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("removed %s, left by an interrupted save", path)
+
+def _lock(root, lock):
+    """An exclusive flock on root's .owner.json, which the kernel (or NFS's lock manager) releases once every
+    process holding the file open is gone: no pid or age is guessed at. The file names the run that holds it."""
+    if not os.path.isdir(root):
+        log.info("making %s, a new checkpoint root", root)
+    os.makedirs(root, exist_ok=True)
+    owner = os.open(os.path.join(root, OWNER), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # relies on the file system's locks (NFS with locking, Lustre -o flock); one of two takers at once wins
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        how = "nothing holds its lock, so that run is gone"
+    except OSError as e:
+        if lock or e.errno not in NO_FLOCK:  # lock=False goes on where flock() is missing, not where it is held
+            holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
+            os.close(owner)
+            raise (_refusal(root, e, holder) if isinstance(e, BlockingIOError) or e.errno in NO_FLOCK else e) from None
+        how = "its file system has no flock(), and lock=False says that no other run writes here"
+    previous = os.read(owner, 4096).decode(errors="replace")
+    if previous:
+        log.warning("taking over %s from %s: %s", root, previous, how)
+    me = {"host": os.uname().nodename, "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(owner, 0)
+    os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the runs it refuses
+    return owner
+
+def _refusal(root, error, holder):  # why _lock() refused root
+    if isinstance(error, BlockingIOError):
+        return CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
+                               "or use another root (load() takes no claim: an evaluation job can read it).")
+    return CheckpointError(f"{root}: its file system refuses flock() ({error.strerror}), which keeps a second run from "
+                           "writing here. Lustre: mount with -o flock (-o localflock locks within one node only); NFS: "
+                           "run its lock manager. If your scheduler runs one job per root, say so: ckpt.check_root("
+                           "root, model, lock=False) (then nothing stops a second run from deleting this one's saves)")
+
+def _release(root):  # rank 0: this run no longer writes to root
+    owner = _locks.pop(root)
+    os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
+    os.close(owner)  # releases the lock
+
+def _release_in_child():  # after os.fork(), in the child: its copy of the lock's file would keep the lock held
+    for owner in _locks.values():
+        os.close(owner)
+    _locks.clear()
+
+# ---- save, steps 4-6: write, commit, retain ----
+
 Commit = collections.namedtuple("Commit", "root step tmp manifest group keep")
 
 def _write_and_commit(flat, c, planner=None):  # steps 4-6 on every rank; appendix A runs it in a thread
@@ -571,104 +665,6 @@ def _retain(root, keep):  # step 6, rank 0: a failure is logged, the commit stan
             shutil.rmtree(path)
     except OSError as e:
         log.warning("retention: could not remove %s: %s", ", ".join(name for _, name in old), e)
-
-def _unique(root, prefix, step):
-    return os.path.join(root, f"{prefix}step-{step:08d}-{os.urandom(4).hex()}")
-
-# ---- the root: one live run writes to it, and it continues the newest commit ----
-
-def _claim(root, lineage, step=None, rollback_to=None, lock=True):
-    """Rank 0: make this run the only writer of root (two runs on one root delete each other's saves in progress,
-    each taking them for a crashed run's); then hold the branch rule for a save of step (None: check_root())."""
-    first = root not in _locks
-    if first:
-        if not _locks:  # a forked child (a DataLoader worker) is not the run
-            os.register_at_fork(after_in_child=_release_in_child)
-        _locks[root] = _lock(root, lock)
-    try:
-        _check_branch(root, lineage, step, rollback_to)
-    except CheckpointError:
-        if first:  # this run does not hold the root: its record goes, and the lock with the file
-            _release(root)
-        raise
-    if first:
-        _clean(root)
-    if rollback_to is not None:
-        _roll_back(root, rollback_to)
-
-def _check_branch(root, lineage, step, rollback_to):  # the branch rule (module docstring); rollback_to: steps above go
-    if rollback_to is not None and rollback_to != lineage:
-        raise CheckpointError(f"rollback_to={rollback_to}, but the model continues from " + (
-            "no step (it was not resumed)" if lineage is None else f"step {lineage}") + ": roll back to the one loaded")
-    steps = {s: name for s, name in _steps(root).items() if rollback_to is None or s <= rollback_to}
-    newest = max(steps, default=-1)
-    if newest >= 0 and lineage is None:
-        raise CheckpointError(f"{root} holds checkpoints up to {os.path.join(root, steps[newest])}, and this run "
-                              "loaded none of them into its model as a resume (load() with the optimizer; a "
-                              "weights-only load is an initialisation): resume from the root, or use another")
-    for limit, what in ((step, "the step saved"), (lineage, "the step its model continues from")):
-        if limit is not None and newest > limit:
-            raise CheckpointError(f"{root} holds {steps[newest]}, a later step than {limit} ({what}), which a resume "
-                                  "would continue from. To give up the later steps: ckpt.check_root(root, model, "
-                                  "rollback_to=<the step loaded>)")
-
-def _clean(root):  # rank 0, at its first claim: what a run that is gone left (no other run writes here)
-    markers = sorted(step for kind, step in map(_entry, os.listdir(root)) if kind == "rollback")
-    if markers:  # a rollback cut short: finish it
-        _roll_back(root, markers[0])
-    for name in os.listdir(root):
-        (kind, step), path = _entry(name), os.path.join(root, name)
-        if kind == "replaced" and not os.path.isdir(step_dir(root, step)):
-            os.rename(path, step_dir(root, step))  # killed between a save's two renames: the older copy is step N
-            fsync_dir(root)
-            log.warning("%s is step %d again: a save of that step was interrupted", step_dir(root, step), step)
-        elif kind in ("tmp", "replaced"):
-            shutil.rmtree(path, ignore_errors=True)
-            log.warning("removed %s, left by an interrupted save", path)
-
-def _lock(root, lock):
-    """An exclusive flock on root's .owner.json, which the kernel (or NFS's lock manager) releases once every
-    process holding the file open is gone: no pid or age is guessed at. The file names the run that holds it."""
-    if not os.path.isdir(root):
-        log.info("making %s, a new checkpoint root", root)
-    os.makedirs(root, exist_ok=True)
-    owner = os.open(os.path.join(root, OWNER), os.O_RDWR | os.O_CREAT, 0o644)
-    try:  # relies on the file system's locks (NFS with locking, Lustre -o flock); one of two takers at once wins
-        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        how = "nothing holds its lock, so that run is gone"
-    except OSError as e:
-        if lock or e.errno not in NO_FLOCK:  # lock=False goes on where flock() is missing, not where it is held
-            holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
-            os.close(owner)
-            raise (_refusal(root, e, holder) if isinstance(e, BlockingIOError) or e.errno in NO_FLOCK else e) from None
-        how = "its file system has no flock(), and lock=False says that no other run writes here"
-    previous = os.read(owner, 4096).decode(errors="replace")
-    if previous:
-        log.warning("taking over %s from %s: %s", root, previous, how)
-    me = {"host": os.uname().nodename, "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
-          "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    os.ftruncate(owner, 0)
-    os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the runs it refuses
-    return owner
-
-def _refusal(root, error, holder):  # why _lock() refused root
-    if isinstance(error, BlockingIOError):
-        return CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
-                               "or use another root (load() takes no claim: an evaluation job can read it).")
-    return CheckpointError(f"{root}: its file system refuses flock() ({error.strerror}), which keeps a second run from "
-                           "writing here. Lustre: mount with -o flock (-o localflock locks within one node only); NFS: "
-                           "run its lock manager. If your scheduler runs one job per root, say so: ckpt.check_root("
-                           "root, model, lock=False) (then nothing stops a second run from deleting this one's saves)")
-
-def _release(root):  # rank 0: this run no longer writes to root
-    owner = _locks.pop(root)
-    os.ftruncate(owner, 0)  # a run that ended: the next one has nobody to take over from
-    os.close(owner)  # releases the lock
-
-def _release_in_child():  # after os.fork(), in the child: its copy of the lock's file would keep the lock held
-    for owner in _locks.values():
-        os.close(owner)
-    _locks.clear()
 
 # ---- load, step by step ----
 
@@ -850,6 +846,9 @@ def _param_names(model, model_sd):
 
 def step_dir(root, step):
     return os.path.join(root, f"step-{step:08d}")
+
+def _unique(root, prefix, step):
+    return os.path.join(root, f"{prefix}step-{step:08d}-{os.urandom(4).hex()}")
 
 def _entry(name):  # (kind, step) of a name under a root, by ENTRIES; (None, None) for any other name
     found = [(kind, re.fullmatch(pattern, name)) for kind, pattern in ENTRIES.items()]
