@@ -121,7 +121,7 @@ class Data:
         first = self.samples + self.dp_rank * n
         seqs = torch.stack([self.sample(i) for i in range(first, first + n)])
         self.samples += batch
-        return seqs[:, :-1], seqs[:, 1:]
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()  # torch 2.11's pipelining checks strides
 
     def state_dict(self):
         return {"samples": self.samples}
