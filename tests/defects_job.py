@@ -78,28 +78,34 @@ def weights(model, opt=None):  # every rank's full model, and its optimizer's st
     return state
 
 
+def make(seed=0, shard=False):  # a seeded Net (shard: its layer a, then the whole, with FSDP2) and its AdamW
+    torch.manual_seed(seed)
+    model = Net()
+    if shard:
+        fully_shard(model.a)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def max_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def scen_ddp(root, out):
-    def make(seed):
+    def in_ddp(seed):
         torch.manual_seed(seed)
         model = DistributedDataParallel(Net())
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = make(0)
+    model, opt = in_ddp(0)
     for i in range(2):
         step(model, opt, i)
     saved = ckpt.save(root, 2, model, opt)
     at_save = weights(model)
     reference = [step(model, opt, i) for i in (2, 3)]
-    model, opt = make(1)
+    model, opt = in_ddp(1)
     loaded = ckpt.load(root, model, opt)
     resumed = [step(model, opt, i) for i in (2, 3)]
-    torch.manual_seed(2)
-    sharded = Net()
-    fully_shard(sharded.a)
-    fully_shard(sharded)
+    sharded, _ = make(2, shard=True)
     into_fsdp2 = ckpt.load(root, sharded)
     keys = sorted(ckpt.read_metadata(saved).state_dict_metadata)
     return {"loaded": loaded, "reference": reference, "resumed": resumed, "into_fsdp2": into_fsdp2,
@@ -169,10 +175,6 @@ def scen_unhashable(root, out):
 
 
 def scen_branches(root, out):
-    def make(seed=0):
-        torch.manual_seed(seed)
-        model = Net()
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = make()
     for s in (2, 4):
         step(model, opt, s)
@@ -216,13 +218,7 @@ def scen_mistyped_root(root, out):
 
 
 def scen_corrupt(root, out):
-    def make(seed=0):
-        torch.manual_seed(seed)
-        model = Net()
-        fully_shard(model.a)
-        fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = make()
+    model, opt = make(shard=True)
     for s in (2, 4):
         step(model, opt, s)
         ckpt.save(root, s, model, opt)
@@ -239,7 +235,7 @@ def scen_corrupt(root, out):
             f.seek(at)
             f.write(bytes([byte[0] ^ 0xFF]))
     dist.barrier()
-    model, opt = make(1)
+    model, opt = make(1, shard=True)
     t0 = time.monotonic()
     res = {"load": outcome(lambda: ckpt.load(root, model, opt)), "secs": round(time.monotonic() - t0, 3),
            "shard": os.path.basename(shard)}
@@ -247,7 +243,7 @@ def scen_corrupt(root, out):
     res["reload"] = outcome(lambda: res.update(reloaded=ckpt.load(ckpt.step_dir(root, 2), model, opt)))
     res["rollback"] = outcome(lambda: ckpt.check_root(root, model, rollback_to=2))  # the damaged step given up
     res["save_after"] = outcome(lambda: res.update(saved_after=os.path.basename(ckpt.save(root, 3, model, opt))))
-    fresh, fresh_opt = make(2)
+    fresh, fresh_opt = make(2, shard=True)
     copy = os.path.join(root + "-control", "step-00000004")
     if rank() == 0:
         import shutil
@@ -259,12 +255,8 @@ def scen_corrupt(root, out):
 
 
 def scen_ema(root, out):
-    torch.manual_seed(0)
-    model = Net()
-    fully_shard(model.a)
-    fully_shard(model)
+    model, opt = make(shard=True)
     ema = state_job.EMA(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step(model, opt, 0)
     ema.update()
     path = ckpt.save(root, 1, model, opt, {"ema": ema})
