@@ -8,16 +8,11 @@
 Every rank calls these with the same arguments and its own model, optimizers and extras ({name: an object with
 state_dict() and load_state_dict()}). A failure on any rank raises a CheckpointError on every rank.
 
-Keys: model.<fqn>; optim.<i>.state.<fqn>.<name>, a parameter's state tensors; optim.<i>.groups.<its first fqn>,
-the rest of the optimizer; extra.<name>, an extra's state (a tensor at extra.<name>.<path>); rank.<r>.extra.<name>,
-rank r's own (a DataLoader, a Sampler, a PerRank, the generators). A value stored once must be equal on every rank
-holding it: all are compared except parameters and their optimizer state, which the gradient all-reduce keeps equal.
-
 The branch rule: a save continues the root's newest commit, which its model was loaded from (with its optimizer)
 or saved since. To continue from an older step, say so: check_root(root, model, rollback_to=<the step loaded>).
 
 Save
-  1. Collect each rank's state by key (no optimizer step runs); refuse what load() could not restore.
+  1. Collect each rank's state by key (_collect() says which); refuse what load() could not restore.
   2. Agree, in one all-reduce: no rank failed, all name the same checkpoint, each value stored once is equal.
   3. Prepare: rank 0 claims the root (a lock held while the run lives), holds the branch rule and makes a new
      .tmp-step-N-<id>, which every rank must see: on a node-local root the shards would scatter.
@@ -33,17 +28,16 @@ Load
      optimizers and extras by key, dtype and shape. Every model key must be some rank's.
   4. Read: dcp.load() into the live shards (parameters and optimizer state), resharding if the layout changed.
   5. Restore, once this rank's files match their CRCs: the model, the optimizers by name (their state checked
-     after), the extras. From step 4 on, a failure (a CRC mismatch too) leaves the model and its optimizers
-     holding part of the checkpoint: save() refuses the model until a load into it succeeds.
+     after), the extras. From step 4 on, a failure leaves the model holding part of the checkpoint: save()
+     refuses it until a load into it succeeds.
 
 The root (ENTRIES reads its names; a name it does not know is left alone):
     .owner.json                          locked (flock) by the run that writes here, which it names
-    step-00000100/                       a commit: manifest.json, then DCP's .metadata and __<rank>_0.distcp
+    step-00000100/                       a commit: manifest.json, DCP's .metadata and __<rank>_0.distcp
     .tmp-step-00000200-1a2b3c4d/         a save in progress or interrupted: never loaded; the next claim removes it
     .replaced-step-00000100-5e6f7a8b/    the older copy of a step saved again: step 100 while step-00000100 is absent
-    .rollback-to-00000100                a rollback in progress: steps above 100 are unseen; the next claim ends it
-    .abandoned-step-00000150-9f8e7d6c/   a step given up by a rollback: loaded only if named, never deleted
     .tmp-delete-step-00000050-0a1b2c3d/  a step being removed by retention
+    .rollback-to-00000100, .abandoned-step-00000150-9f8e7d6c/: a rollback's (appendix C)
 """
 
 import collections
@@ -233,15 +227,11 @@ def _collective(what, fn, *args, **kwargs):  # a timeout, a peer gone, a destroy
     start = time.monotonic()
     try:
         return fn(*args, **kwargs)
-    except Exception as e:
-        limit = next((timeout for timeout, g in _groups.items() if g is kwargs.get("group")), None)
+    except Exception as e:  # the seconds tell a peer gone (at once) from a timeout (the group's)
         _groups.clear()  # a gloo group that failed is unusable: the next call makes a fresh one
-        waited = time.monotonic() - start
-        why = (f"a rank left it after {waited:.1f} s (it crashed, or its process group was destroyed)"
-               if limit and waited < 0.9 * limit.total_seconds() else
-               "not every rank reached it within the checkpoint timeout (called on every rank? crashed or hung?)")
-        raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {_rank()}: {why}: "
-                              f"{_describe(e)}") from e
+        raise CheckpointError(f"checkpoint coordination failed at '{what}' on rank {_rank()} after "
+                              f"{time.monotonic() - start:.1f} s (a rank crashed or hung, or not called on every "
+                              f"rank?): {_describe(e)}") from e
 
 def _attempt(fn, *args):  # a local step's (value, None), or (None, the exception): the ranks vote on it next
     try:
@@ -307,13 +297,10 @@ def _disagreement(what, differ):  # {path: [ranks holding one value, ranks holdi
     def ranks(group):
         return " ".join(map(str, group[:4])) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
     shown = [f"{path} (ranks {' | '.join(map(ranks, groups))})" for path, groups in list(differ.items())[:5]]
-    advice = {"model": "a buffer that ranks update alone: make it equal (broadcast it)",
-              "optim": "an option, or state each rank computes alone (LBFGS's prev_loss, from its loss): make it equal",
-              "extra": "state of each rank's own (a data position, a residual): wrap it as ckpt.PerRank(obj); of "
-                       "each pipeline stage's own: give each stage's its own name; else make it equal"}
-    kinds = sorted({path.split(".")[0] for path in differ})
     return (f"{what}: {len(differ)} value(s) stored once differ among the ranks that hold them: {'; '.join(shown)}. "
-            + "; ".join(f"{kind}.*: {advice[kind]}" for kind in kinds) + ". Nothing was written")
+            "Make each equal (a buffer: broadcast it; an option: set it alike), or store it per rank: an extra as "
+            "ckpt.PerRank(obj), a pipeline stage's under a name of its own. An optimizer's state that each rank "
+            "computes alone (LBFGS's prev_loss) cannot be stored. Nothing was written")
 
 # ---- save, steps 1 and 3: collect each rank's state by key, prepare a directory ----
 
