@@ -306,8 +306,8 @@ def _disagreement(what, differ):  # {path: [ranks holding one value, ranks holdi
 
 # The keys: model.<fqn>; optim.<i>.state.<fqn>.<name> (a parameter's state tensors), optim.<i>.groups.<its first
 # fqn> (the rest of the optimizer); extra.<name> (an extra's state, its tensors at extra.<name>.<path>);
-# rank.<r>.extra.<name> (rank r's own: a PerRank, a DataLoader, a Sampler, the generators). A value stored once is compared among the ranks
-# that hold it, except parameters and their optimizer state, which the gradient all-reduce keeps equal.
+# rank.<r>.extra.<name> (rank r's own: a PerRank, a DataLoader, a Sampler, the generators). A value stored once is
+# compared among the ranks that hold it, except parameters and their optimizer state (the gradient all-reduce's).
 def _collect(step, keep, model, optimizers, extra, rng, meta, digests):  # step 1, on every rank: {key: value}
     if not _count(step, 0) or not (keep is None or _count(keep, 1)):
         raise CheckpointError(f"save(): step must be an int >= 0 and keep None or an int > 0, not {step!r}, {keep!r}")
