@@ -146,8 +146,11 @@ def load(path, model, optimizer=None, extra=None, *, strict=True, verify=True, t
         error = CheckpointError("load(strict=False) is an initialisation: pass optimizer=None, then build it afresh")
     _vote(group, "load()", error, {"path": path, "strict": strict, "verify": verify, "resume": bool(optimizers)})
     ckpt_dir = _rank0(group, "load(): rank 0 chooses the checkpoint", find_checkpoint, path)
-    if ckpt_dir is None:
-        _say_why_none(path)
+    if ckpt_dir is None:  # a wrong path, or a root whose only save was interrupted: rank 0 says which
+        interrupted = [name for name in os.listdir(path) if _entry(name)[0] == "tmp"] if os.path.isdir(path) else []
+        if _rank() == 0 and (interrupted or not os.path.isdir(path)):
+            log.warning("no checkpoint in %s: %s", path, f"{', '.join(interrupted)} is an interrupted save (never "
+                        "loaded)" if interrupted else "it does not exist")
         return None
     # The CRC thread is joined before load() returns: a DataLoader that forks beside a live thread is unsafe.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-verify") as pool:
@@ -162,8 +165,7 @@ def load(path, model, optimizer=None, extra=None, *, strict=True, verify=True, t
         _read(found, request, group)
         _each(group, f"load: restore {ckpt_dir}", _restore, found, request, loaded, model, strict)
         _part_loaded.difference_update(model.modules())
-    if optimizers:  # a resume: the run continues from this step
-        _lineage.update(dict.fromkeys(model.modules(), found.step))
+    _lineage.update(dict.fromkeys(model.modules(), found.step if optimizers else None))  # a resume's, else none
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, found.step, found.world_size)
     return found.step
 
@@ -339,7 +341,7 @@ def _collect(step, keep, model, optimizers, extra, rng, meta, digests):  # step 
                                   "tensors": {p: kind for st in state.values() for p, kind in st.tensors.items()}}
         else:
             state = _lift(obj.state_dict(), key, flat, None if key.startswith("rank.") else compare)
-            if state.value is not None:  # else its state is one tensor (rng.torch), stored at its key
+            if key not in flat:  # else its state is one tensor (rng.torch), stored at its key
                 flat[key] = {"state": state.value, "tensors": state.tensors}
     return flat
 
@@ -552,7 +554,17 @@ def _lock(root, lock):
         if lock or e.errno not in NO_FLOCK:  # lock=False goes on where flock() is missing, not where it is held
             holder = os.read(owner, 4096).decode(errors="replace") or "(it is starting)"
             os.close(owner)
-            raise (_refusal(root, e, holder) if isinstance(e, BlockingIOError) or e.errno in NO_FLOCK else e) from None
+            if isinstance(e, BlockingIOError):
+                raise CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. "
+                                      "Stop it or use another root (load() takes no claim: an evaluation job can "
+                                      "read it).") from None
+            if e.errno not in NO_FLOCK:
+                raise
+            raise CheckpointError(f"{root}: its file system refuses flock() ({e.strerror}), which keeps a second run "
+                                  "from writing here. Lustre: mount with -o flock (-o localflock locks within one "
+                                  "node only); NFS: run its lock manager. If your scheduler runs one job per root, "
+                                  "say so: ckpt.check_root(root, model, lock=False) (then nothing stops a second run "
+                                  "from deleting this one's saves)") from None
         how = "its file system has no flock(), and lock=False says that no other run writes here"
     previous = os.read(owner, 4096).decode(errors="replace")
     if previous:
@@ -562,15 +574,6 @@ def _lock(root, lock):
     os.ftruncate(owner, 0)
     os.pwrite(owner, json.dumps(me).encode(), 0)  # says who holds the lock, to the runs it refuses
     return owner
-
-def _refusal(root, error, holder):  # why _lock() refused root
-    if isinstance(error, BlockingIOError):
-        return CheckpointError(f"{root} is in use by another run, which holds the lock on {OWNER}: {holder}. Stop it "
-                               "or use another root (load() takes no claim: an evaluation job can read it).")
-    return CheckpointError(f"{root}: its file system refuses flock() ({error.strerror}), which keeps a second run from "
-                           "writing here. Lustre: mount with -o flock (-o localflock locks within one node only); NFS: "
-                           "run its lock manager. If your scheduler runs one job per root, say so: ckpt.check_root("
-                           "root, model, lock=False) (then nothing stops a second run from deleting this one's saves)")
 
 def _release(root):  # rank 0: this run no longer writes to root
     owner = _locks.pop(root)
@@ -658,12 +661,6 @@ def _retain(root, keep):  # step 6, rank 0: a failure is logged, the commit stan
         log.warning("retention: could not remove %s: %s", ", ".join(name for _, name in old), e)
 
 # ---- load, step by step ----
-
-def _say_why_none(path):  # rank 0: a wrong path, or a root whose only save was interrupted
-    interrupted = [name for name in os.listdir(path) if _entry(name)[0] == "tmp"] if os.path.isdir(path) else []
-    if _rank() == 0 and (interrupted or not os.path.isdir(path)):
-        log.warning("no checkpoint in %s: %s", path, f"{', '.join(interrupted)} is an interrupted save (never "
-                    "loaded)" if interrupted else "it does not exist")
 
 def _instead(ckpt_dir):  # what to load instead of a checkpoint that is damaged or gone
     root = os.path.dirname(ckpt_dir)
@@ -897,8 +894,8 @@ def verify_files(ckpt_dir, manifest, names=None, checksums=True):  # the errors 
         return errors
     try:
         crcs = chunk_crcs(paths)
-    except OSError as e:  # removed while read, by another run's retention
-        return [f"{e.filename} cannot be read: {e.strerror}"]
+    except OSError as e:  # removed while read (another run's retention), or a read error (no file named: its dir)
+        return [f"{e.filename or ckpt_dir} cannot be read: {e.strerror or e}"]
     return [f"{path} does not match its checksum (corrupted)" for name, path, crc in zip(names, paths, crcs)
             if crc != manifest["files"][name]["crc32"]]
 

@@ -218,6 +218,39 @@ def test_corrupted_shard_at_one_rank(tmp_path, plain):
     assert os.path.basename(ckpt.save(root, 2, model, opt)) == "step-00000002"
 
 
+def test_extra_whose_state_is_none_comes_back(tmp_path, plain):
+    """An extra whose state_dict() returns None (nothing to keep yet) is saved and loaded back: load_state_dict(None).
+    Before, its key was dropped at save (None was taken for "its state is one tensor"), and load() refused it."""
+    class Empty:
+        given = "unset"
+        def state_dict(self):
+            return None
+        def load_state_dict(self, sd):
+            self.given = sd
+    model, empty = state_job.Net(), Empty()
+    ckpt.save(tmp_path / "root", 1, model, extra={"empty": empty})
+    step = ckpt.load(tmp_path / "root", model, extra={"empty": empty})
+    print(f"\nloaded step {step}; load_state_dict() was given {empty.given!r}")
+    assert step == 1 and empty.given is None
+
+
+def test_weights_only_load_ends_the_lineage(tmp_path, plain):
+    """A model resumed from root a at step 2, then given root b's weights (a weights-only load): it no longer holds
+    step 2's state, so a save of step 3 to a is refused by the branch rule. Before, the resume's lineage stayed and
+    the save was taken as continuing step 2."""
+    model = state_job.Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for root, step in (("a", 2), ("b", 5)):
+        ckpt.save(tmp_path / root, step, model, opt)
+    assert ckpt.load(tmp_path / "a", model, opt) == 2
+    assert ckpt.load(tmp_path / "b", model) == 5
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.save(tmp_path / "a", 3, model, opt)
+    print(f"\nsave to a after b's weights: {str(e.value)[:200]}")
+    assert "loaded none of them into its model as a resume" in str(e.value)
+    assert ckpt.committed_steps(tmp_path / "a") == [2]
+
+
 def test_forged_storage_paths_refused(tmp_path, plain):
     """.metadata's storage paths forged to point into another step (its checksums forged to match): load() of step 2
     refuses the path by name instead of reading step 1's files. The control: plain DCP reads step 1's weights."""
