@@ -117,7 +117,8 @@ def save(root, step, model, optimizer=None, extra=None, *, keep=None, meta=None,
     digests = {}  # of each value stored once, by path: every rank holding it must hold the same
     flat, error = _attempt(_collect, step, keep, model, optimizers, extra, rng, meta, digests)
     args = {"root": root, "step": step, "keep": keep, "rng": rng, "async_save": async_save, "optimizers": kinds,
-            "continues_from": lineage, "meta": _attempt(lambda: json.dumps(meta, sort_keys=True))[0]}
+            "continues_from": lineage, "meta": _attempt(lambda: json.dumps(meta, sort_keys=True))[0],
+            "timeout": _timeout(timeout)}
     _vote(group, "save()", error, args, digests)
     # 3. Prepare: rank 0 alone touches the root, so that ranks never race on it.
     tmp = _rank0(group, f"save: prepare step {step} in {root} (rank 0)", _prepare, root, step, lineage)
@@ -144,7 +145,8 @@ def load(path, model, optimizer=None, extra=None, *, strict=True, verify=True, t
     objects, error = _attempt(_objects, optimizers, extra, bool(optimizers))
     if optimizers and not strict:
         error = CheckpointError("load(strict=False) is an initialisation: pass optimizer=None, then build it afresh")
-    _vote(group, "load()", error, {"path": path, "strict": strict, "verify": verify, "resume": bool(optimizers)})
+    _vote(group, "load()", error, {"path": path, "strict": strict, "verify": verify, "resume": bool(optimizers),
+                                   "timeout": _timeout(timeout)})
     ckpt_dir = _rank0(group, "load(): rank 0 chooses the checkpoint", find_checkpoint, path)
     if ckpt_dir is None:  # a wrong path, or a root whose only save was interrupted: rank 0 says which
         interrupted = [name for name in os.listdir(path) if _entry(name)[0] == "tmp"] if os.path.isdir(path) else []
@@ -178,7 +180,7 @@ def check_root(root, model, *, rollback_to=None, lock=True, timeout=DEFAULT_TIME
     bad = rollback_to is not None and not _count(rollback_to, 0)
     error = CheckpointError(f"rollback_to must be a step (an int >= 0), not {rollback_to!r}") if bad else None
     _vote(group, "check_root()", error, {"root": root, "rollback_to": rollback_to, "lock": lock,
-                                         "continues_from": lineage})
+                                         "continues_from": lineage, "timeout": _timeout(timeout)})
     _rank0(group, "check_root() (rank 0)", _claim, root, lineage, None, rollback_to, lock)  # None: no step saved
     _check_shared(group, os.path.join(root, OWNER))
 
@@ -209,10 +211,13 @@ def checkpoint_group(timeout=DEFAULT_TIMEOUT):
     timeout: training's short one (for a hung rank) would kill the job in a save to slow storage; gloo: off the GPU."""
     if not dist.is_initialized():
         return None
-    timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+    timeout = _timeout(timeout)
     if timeout not in _groups:
         _groups[timeout] = _collective("make ckpt's process group", dist.new_group, backend="gloo", timeout=timeout)
     return _groups[timeout]
+
+def _timeout(timeout):  # a timedelta, or seconds
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
 
 def _rank():
     return dist.get_rank() if dist.is_initialized() else 0
@@ -249,8 +254,10 @@ def _each(group, what, fn, *args):  # fn(*args) on every rank: a failure on any 
 
 def _rank0(group, what, fn, *args):  # fn(*args) on rank 0 alone (it alone touches the root): its value, everywhere
     value, error = _attempt(fn, *args) if _rank() == 0 else (None, None)
-    mine = {"rank 0": (value, None if error is None else _describe(error))} if _rank() == 0 else {}
-    value, message = _vote(group, what, claims=mine)["rank 0"]
+    said = [(value, None if error is None else _describe(error))]
+    if group is not None:
+        _collective(what, dist.broadcast_object_list, said, src=0, group=group)  # src: rank 0 of the world's ranks
+    value, message = said[0]
     if message is not None:
         raise CheckpointError(f"{what}: {message}") from error
     return value
@@ -280,6 +287,7 @@ def _vote(group, what, error=None, args=None, claims=None):
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): " + "; ".join(failed)) from error
     alike = set.intersection(*[set(other) for _, other, _ in reports])  # what every rank was given
     if any(len(other) > len(alike) for _, other, _ in reports):
+        _groups.clear()  # each rank made the group of its own timeout: the next call starts alike on every rank
         ranks = [f"rank {r}: " + " ".join(sorted(set(other) - alike)) for r, (_, other, _) in enumerate(reports)]
         raise CheckpointError(f"{what} was given different arguments on different ranks: " + "; ".join(ranks))
     holders = collections.defaultdict(lambda: collections.defaultdict(list))  # name -> value -> ranks
@@ -352,26 +360,34 @@ Skeleton = collections.namedtuple("Skeleton", "value tensors base")
 def _lift(value, base, flat, digests, compare_tensors=True):
     """Each tensor of value into flat, at its path (flat=None: it stays in the value, copied, for an async save);
     digests: of each leaf (not DTensors, nor tensors unless compare_tensors) and of each container's keys."""
-    tensors = {}
+    tensors, seen = {}, set()
     def leaf(path, x):
         if type(x) not in PLAIN and not isinstance(x, torch.Tensor):  # exact: numpy's float64 would not come back
             raise CheckpointError(f"{path} is a {type(x).__module__}.{type(x).__qualname__}, which load() cannot "
                                   "restore without running code from the checkpoint: convert it in state_dict() (or "
                                   "get_extra_state()), and back")
+        if path in seen or (flat is not None and path in flat):  # paths are keys: two values would be one
+            raise CheckpointError(f"two values of one object have the key {path}: rename one ('a.b' and a: {{b}}, "
+                                  "or 1 and '1')")
+        seen.add(path)
         if digests is not None and not isinstance(x, DTensor) and (compare_tensors or not isinstance(x, torch.Tensor)):
             digests[path] = _digest(path, x)
         if not isinstance(x, torch.Tensor):
             return x
         if flat is None:
             return x.detach().clone()
-        if path in flat:
-            raise CheckpointError(f"two values of one object have the key {path}: rename one ('a.b' and a: {{b}})")
         flat[path], tensors[path] = x, "DTensor" if isinstance(x, DTensor) else "Tensor"
         return None
     skeleton = Skeleton(_walk(value, leaf, base), tensors, base)
     if digests is not None and type(value) in (dict, collections.OrderedDict, list, tuple):  # its keys, by its path
-        digests[base] = _digest(base, repr(_walk(skeleton.value, lambda path, x: type(x).__name__)))
+        digests[base] = _digest(base, repr(_shape(skeleton.value)))
     return skeleton
+
+def _shape(value):  # its containers' types and keys, for a digest equal where == holds (a dict's order aside)
+    if type(value) in (dict, collections.OrderedDict, list, tuple):
+        shape = [(repr(k), _shape(v)) for k, v in (value.items() if isinstance(value, dict) else enumerate(value))]
+        return type(value).__name__, sorted(shape) if type(value) is dict else shape
+    return type(value).__name__
 
 def _walk(value, leaf, path=""):  # value, with leaf(path, x) for each leaf x of its containers
     if type(value) in (dict, collections.OrderedDict):
@@ -728,16 +744,15 @@ def _match(ckpt, small, model, objects, strict):  # step 3, on every rank: what 
     saved = ckpt.metadata.state_dict_metadata
     model_sd = get_model_state_dict(model)
     request = {f"model.{k}": v for k, v in model_sd.items() if strict or f"model.{k}" in saved}
-    if len(request) < len(model_sd):  # strict=False: a fine-tune's new head stays as it is
-        log.warning("not in %s, left as they are (strict=False): %s", ckpt.dir, ", ".join(sorted(
-            f"model.{k}" for k in model_sd if f"model.{k}" not in request)))
+    left = [f"model.{k}" for k in model_sd if f"model.{k}" not in request]  # strict=False: a fine-tune's new head
     missing = [key for key in request if key not in saved]
     other = [f"{key}: {layout(saved[key])} saved, {layout(v)} here" for key, v in request.items()
              if key in saved and layout(saved[key]) != layout(v)]
     if missing or other:
+        hint = " (new layers of a fine-tune: strict=False)" if missing else ""  # missing: strict only
         raise CheckpointError(f"checkpoint {ckpt.dir} does not match the model: {len(missing)} key(s) missing from "
-                              f"the checkpoint {missing[:10]} (new layers of a fine-tune: strict=False); "
-                              f"{len(other)} key(s) of another dtype or shape {other[:10]}")
+                              f"the checkpoint {missing[:10]}{hint}; {len(other)} key(s) of another dtype or shape "
+                              f"{other[:10]}")
     names = _param_names(model, model_sd)
     params = {fqn: param for param, fqns in names.items() for fqn in fqns}
     resized = ckpt.world_size != _world_size()
@@ -759,7 +774,10 @@ def _match(ckpt, small, model, objects, strict):  # step 3, on every rank: what 
             skeleton = Skeleton(small[key]["state"], small[key]["tensors"], key)
         elif key in saved:  # its state is one tensor (rng.torch)
             skeleton = Skeleton(None, {key: "Tensor"}, key)
-        elif ".rng." in key or not strict:  # a generator saved without CUDA or with rng=False: left as it is
+        elif ".rng." in key:  # a generator saved without CUDA or with rng=False: left as it is
+            continue
+        elif not strict:
+            left.append(key)
             continue
         else:
             raise CheckpointError(f"{_objects_in([key])[0]} is not in {ckpt.dir}, which holds {_objects_in(saved)}")
@@ -769,6 +787,8 @@ def _match(ckpt, small, model, objects, strict):  # step 3, on every rank: what 
                                       "like: give it its tensors before load() (an EMA's shadows from the parameters)")
             request[path] = _empty_like(saved[path], live.get(path), like.get(path))
         loaded[key] = (obj, skeleton)
+    if left:
+        log.warning("not in %s, left as they are (strict=False): %s", ckpt.dir, ", ".join(sorted(left)))
     return request, loaded
 
 def _check_covered(group, ckpt, read, strict, resuming):  # every model key some rank's (a pipeline stage reads its)

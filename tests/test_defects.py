@@ -11,7 +11,10 @@ before this round (149318c) and passes now.
   * a mistyped root is said; a peer that died is not called a timeout; an async save's failure after its process
     group is gone is logged, not lost; an empty EMA in a plain process reads a sharded run's shadows whole; storage
     paths forged into .metadata are refused; a corrupted shard is refused by name at 1 and 2 ranks, and save()
-    refuses the part-loaded model until a load succeeds.
+    refuses the part-loaded model until a load succeeds;
+  * a third reading (this round's): two values of an extra at one path, equal dicts built in another order, ranks
+    given other timeouts, strict=False leaving an extra unsaid or advising itself; an extra whose state is None, a
+    weights-only load that kept a resume's lineage.
 
 The 2-rank parts run in ONE job, tests/defects_job.py (ranks forked by tests/launch.py), started as the module starts.
 
@@ -249,6 +252,87 @@ def test_weights_only_load_ends_the_lineage(tmp_path, plain):
     print(f"\nsave to a after b's weights: {str(e.value)[:200]}")
     assert "loaded none of them into its model as a resume" in str(e.value)
     assert ckpt.committed_steps(tmp_path / "a") == [2]
+
+
+def test_strict_false_says_what_it_left_and_advises_only_what_helps(tmp_path, plain, caplog):
+    """load(strict=False) of a checkpoint without the extra passed: the extra is left, and said by name (it was
+    left silently). A layer of another shape under strict=False is refused without advising strict=False."""
+    model, ema = torch.nn.Linear(3, 2), {"shadow": torch.zeros(3)}
+    class Extra:
+        def state_dict(self):
+            return dict(ema)
+        def load_state_dict(self, sd):
+            ema.update(sd)
+    ckpt.save(tmp_path / "root", 1, model)
+    with caplog.at_level("WARNING", logger="ckpt"):
+        step = ckpt.load(tmp_path / "root", model, extra={"ema": Extra()}, strict=False)
+    said = [r.getMessage() for r in caplog.records if "left as they are" in r.getMessage()]
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(tmp_path / "root", torch.nn.Linear(3, 5), strict=False)
+    print(f"\nloaded {step}, said: {said}\nanother shape: {str(e.value)[-160:]}")
+    assert step == 1 and len(said) == 1 and "extra.ema" in said[0]
+    assert "another dtype or shape" in str(e.value) and "strict=False" not in str(e.value).split("does not match")[1]
+
+
+AGREE = r'''
+import datetime, json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["REPO"])
+import ckpt
+dist.init_process_group("gloo")
+rank, root, out = dist.get_rank(), sys.argv[1], {}
+model = torch.nn.Linear(4, 4)
+torch.nn.init.constant_(model.weight, 1.0)
+class Extra:
+    def __init__(self, state):
+        self.state = state
+    def state_dict(self):
+        return self.state
+    def load_state_dict(self, sd):
+        self.state = sd
+def attempt(name, fn):
+    try:
+        out[name] = {"value": fn()}
+    except ckpt.CheckpointError as e:
+        out[name] = {"error": str(e)}
+# two values at one path, one of them each rank's own: refused, not one rank's value kept for all
+attempt("collide", lambda: ckpt.save(root, 1, model, extra={"x": Extra({"w.lr": float(rank), "w": {"lr": 0.5}})}))
+# equal dicts built in another order: saved, and loaded equal
+names = ["alpha", "beta", "gamma"] if rank == 0 else ["gamma", "alpha", "beta"]
+seen = Extra({n: len(n) for n in names})
+attempt("order", lambda: ckpt.save(root, 2, model, extra={"seen": seen}))
+attempt("order_load", lambda: ckpt.load(root, torch.nn.Linear(4, 4), extra={"seen": seen})
+        and seen.state == {n: len(n) for n in names})
+# ranks given other timeouts: refused by name, and the next save with one timeout works at once
+attempt("timeouts", lambda: ckpt.save(root, 3, model, extra={"seen": seen}, timeout=30 + rank))
+attempt("after", lambda: ckpt.save(root, 3, model, extra={"seen": seen}, timeout=30))
+with open(f"{root}.rank{rank}", "w") as f:
+    json.dump(out, f)
+ckpt.close()
+dist.destroy_process_group()
+'''
+
+
+def test_values_at_one_path_orders_and_timeouts_at_two_ranks(tmp_path):
+    """At 2 ranks: an extra holding two values at one path ({"w.lr": <each rank's own>, "w": {"lr": ..}}) is refused
+    naming the path (a path's digest was overwritten, so one rank's value passed as stored once and was loaded on
+    every rank); dicts equal on every rank but built in another order are saved (they were refused as differing);
+    ranks given other timeouts are refused naming the timeout, and the next save with one timeout works within
+    seconds (it ran into the timeout: each rank had made a group for its own)."""
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE)
+    root = tmp_path / "root"
+    rc, out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                   str(root)], timeout=150, check=False, env=dict(os.environ, REPO=REPO))
+    res = [json.loads((tmp_path / f"root.rank{r}").read_text()) for r in (0, 1)
+           if (tmp_path / f"root.rank{r}").exists()]
+    assert len(res) == 2, out[-3000:]
+    for r, x in enumerate(res):
+        print(f"\nrank {r}: " + "; ".join(f"{k}: {str(v)[:150]}" for k, v in x.items()))
+        assert "two values of one object have the key extra.x.w.lr" in x["collide"]["error"]
+        assert x["order"]["value"].endswith("step-00000002") and x["order_load"]["value"] is True
+        assert "different arguments" in x["timeouts"]["error"] and "timeout=" in x["timeouts"]["error"]
+        assert x["after"]["value"].endswith("step-00000003")
+    assert ckpt.committed_steps(root) == [2, 3]
 
 
 def test_forged_storage_paths_refused(tmp_path, plain):
