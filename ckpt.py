@@ -782,6 +782,11 @@ def _match(ckpt, small, model, objects, strict):  # step 3, on every rank: what 
         else:
             raise CheckpointError(f"{_objects_in([key])[0]} is not in {ckpt.dir}, which holds {_objects_in(saved)}")
         for path, kind in skeleton.tensors.items():
+            here = live.get(path)  # an extra's own tensor is read in place: nobody casts it (torch casts optimizers')
+            unlike = isinstance(here, torch.Tensor) and layout(here) != layout(saved[path])
+            if unlike and not isinstance(obj, OptimizerByName):
+                raise CheckpointError(f"checkpoint {ckpt.dir} does not match extra {key}: {path} is "
+                                      f"{layout(saved[path])} saved, {layout(here)} here (an extra loads as saved)")
             if kind == "DTensor" and not isinstance(live.get(path, like.get(path)), torch.Tensor) and _world_size() > 1:
                 raise CheckpointError(f"{path} was saved as a DTensor, and the object held no tensor there to shard it "
                                       "like: give it its tensors before load() (an EMA's shadows from the parameters)")
@@ -876,6 +881,8 @@ def find_checkpoint(path):
     """The checkpoint load() reads: path, if it is one (named as a step, or holding a manifest or DCP's .metadata);
     else the highest commit under path; None if there is none."""
     kind, _ = _entry(os.path.basename(os.path.normpath(path)))
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file: pass a checkpoint's directory (step-N) or a root")
     if kind == "tmp":
         raise CheckpointError(f"{path} is an uncommitted save (interrupted, or in progress): it is never loaded")
     if kind or any(os.path.exists(os.path.join(path, name)) for name in (MANIFEST, ".metadata")):
@@ -1200,7 +1207,9 @@ class Position:
         return {"epoch": self.epoch, "samples": self.samples, **self.stream}
 
     def load_state_dict(self, sd):
-        changed = [f"{k} {sd[k]!r} saved, {v!r} now" for k, v in self.stream.items() if sd.get(k, v) != v]
+        saved = {k: v for k, v in sd.items() if k not in ("epoch", "samples")}
+        changed = [f"{k} {saved.get(k)!r} saved, {self.stream.get(k)!r} now" for k in sorted({*saved, *self.stream})
+                   if saved.get(k) != self.stream.get(k)]
         if changed:  # 4 ranks resumed on 2 at the same accumulation, say: other samples than the run it continues
             raise ValueError(f"this resume changes the data stream ({'; '.join(changed)}): keep them (global batch: "
                              "batch x accumulation x data-parallel degree)")
@@ -1208,11 +1217,15 @@ class Position:
 
     def batches(self, loader):
         """loader's batches, epoch after epoch from this position (its sampler a SkippingSampler), counted."""
+        per_batch = (loader.batch_size or 0) * loader.sampler.num_replicas  # the global samples of one batch
+        if not per_batch or self.stream["global_batch"] % per_batch:  # else steps would read across ranks' batches
+            raise ValueError(f"global_batch {self.stream['global_batch']} is not a whole number of batches of "
+                             f"{loader.batch_size} x {loader.sampler.num_replicas} ranks: make it one")
         while True:
             loader.sampler.set_epoch(self.epoch)
             loader.sampler.start = self.samples  # where the epoch resumes, whatever a StatefulDataLoader restored
             for batch in loader:
-                self.samples += loader.batch_size * loader.sampler.num_replicas
+                self.samples += per_batch
                 yield batch
             self.epoch, self.samples = self.epoch + 1, 0
 

@@ -12,9 +12,10 @@ before this round (149318c) and passes now.
     group is gone is logged, not lost; an empty EMA in a plain process reads a sharded run's shadows whole; storage
     paths forged into .metadata are refused; a corrupted shard is refused by name at 1 and 2 ranks, and save()
     refuses the part-loaded model until a load succeeds;
-  * a third reading (this round's): two values of an extra at one path, equal dicts built in another order, ranks
-    given other timeouts, strict=False leaving an extra unsaid or advising itself; an extra whose state is None, a
-    weights-only load that kept a resume's lineage.
+  * this round's readings: two values of an extra at one path, equal dicts built in another order, ranks given
+    other timeouts, strict=False leaving an extra unsaid or advising itself; an extra whose state is None, a
+    weights-only load that kept a resume's lineage; a step of part of a batch, a stream key dropped or added; an
+    extra of another dtype, a file passed as a checkpoint.
 
 The 2-rank parts run in ONE job, tests/defects_job.py (ranks forked by tests/launch.py), started as the module starts.
 
@@ -333,6 +334,56 @@ def test_values_at_one_path_orders_and_timeouts_at_two_ranks(tmp_path):
         assert "different arguments" in x["timeouts"]["error"] and "timeout=" in x["timeouts"]["error"]
         assert x["after"]["value"].endswith("step-00000003")
     assert ckpt.committed_steps(root) == [2, 3]
+
+
+def test_position_refuses_a_step_that_is_not_whole_batches_and_any_change_of_stream():
+    """Position.batches() with a global batch of 8 over 3 ranks of 2 (the README's batch // world at world 3): refused
+    naming the numbers (it counted 6 samples a step, silently, and ranks left the epoch at different steps); without a
+    batch_size, refused by name (a bare TypeError before). A stream key dropped or added at a resume is refused by
+    name, as a changed one is (they were accepted)."""
+    dataset = list(range(40))
+    def first(global_batch, batch_size, world):
+        sampler = ckpt.SkippingSampler(dataset, num_replicas=world, rank=0, shuffle=False)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+        try:
+            return next(ckpt.Position(global_batch).batches(loader)).tolist()
+        except ValueError as e:
+            return str(e)
+    saved = ckpt.Position(8, seed=1, seq_len=128).state_dict()
+    streams = {}
+    for name, now in (("dropped", {"seed": 1}), ("added", {"seed": 1, "seq_len": 128, "vocab": 2})):
+        try:
+            ckpt.Position(8, **now).load_state_dict(saved)
+            streams[name] = "accepted"
+        except ValueError as e:
+            streams[name] = str(e)
+    said = {"8 over 3 x 2": first(8, 2, 3), "no batch_size": first(8, None, 2), "8 over 2 x 4": first(8, 4, 2)}
+    print(f"\n{said}\n{streams}")
+    assert "global_batch 8 is not a whole number of batches of 2 x 3 ranks" in said["8 over 3 x 2"]
+    assert "batches of None x 2 ranks" in said["no batch_size"] and said["8 over 2 x 4"] == [0, 2, 4, 6]
+    assert "seq_len 128 saved, None now" in streams["dropped"] and "vocab None saved, 2 now" in streams["added"]
+
+
+def test_extra_of_another_layout_and_a_file_are_refused(tmp_path, plain):
+    """An extra whose live tensor has another dtype than the one saved (a bf16 EMA saved as fp32) is refused naming
+    the key: it was read as saved, and the object silently held fp32. A load of a file (a manifest.json) is refused
+    as a file: it was called "does not exist" and load() returned None, so a resume started over."""
+    model, shadow = torch.nn.Linear(3, 2), {"w": torch.ones(3)}
+    class EMA:
+        def state_dict(self):
+            return dict(shadow)
+        def load_state_dict(self, sd):
+            shadow.update(sd)
+    path = ckpt.save(tmp_path / "root", 1, model, extra={"ema": EMA()})
+    shadow["w"] = torch.ones(3, dtype=torch.bfloat16)
+    errors = {}
+    for name, where in (("layout", tmp_path / "root"), ("file", os.path.join(path, ckpt.MANIFEST))):
+        with pytest.raises(ckpt.CheckpointError) as e:
+            ckpt.load(where, model, extra={"ema": EMA()})
+        errors[name] = str(e.value)
+    print(f"\n{errors}")
+    assert "extra.ema.w is torch.float32 (3,) saved, torch.bfloat16 (3,) here" in errors["layout"]
+    assert shadow["w"].dtype == torch.bfloat16 and "manifest.json is a file" in errors["file"]
 
 
 def test_forged_storage_paths_refused(tmp_path, plain):
