@@ -69,10 +69,11 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$("$PYTHON" -c 'import torch; print(torch.cuda.
 # 0 on the node that hosts the rendezvous store (the one at MASTER_ADDR), anything else elsewhere.
 # torchrun assigns global ranks itself at the rendezvous, so global rank 0 may be on any node.
 NODE_RANK=${NODE_RANK:-0}
-# Address of node 0 as the other nodes reach it, and a free TCP port there for the rendezvous store.
+# Address of node 0 as the other nodes reach it, and a free TCP port there for the rendezvous store
+# (one node: 0, any free port, so that two jobs on one machine do not collide, as with --standalone).
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
-# Names this job at the rendezvous; identical on all nodes, distinct for jobs sharing an endpoint.
+MASTER_PORT=${MASTER_PORT:-$([[ "$NNODES" == 1 ]] && echo 0 || echo 29500)}
+# Names this job at the rendezvous; identical on all nodes.
 RDZV_ID=${RDZV_ID:-train_fsdp}
 # Seconds torchrun gives the ranks to save and exit after a SIGTERM, before its SIGKILL (see the header).
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-30}}

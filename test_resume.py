@@ -11,17 +11,15 @@ Point it at your own training script to check your integration of ckpt.py:
     python test_resume.py --script path/to/train.py [--nproc 2] [--args="--model tiny"]   # from this repository
     CKPT_TEST_SCRIPT=path/to/train.py CKPT_TEST_NPROC=2 CKPT_TEST_ARGS="--model tiny" python -m pytest -s test_resume.py
 
-The script must accept --steps N (the length of the whole run, whose last step it saves), --stop-after K
-(save step K, exit 0), --resume (continue from the newest checkpoint in --ckpt-dir; start at step 0 if there
-is none), --ckpt-dir D and --log-file F, and append to F one JSON object per step from rank 0 with "step" and
-"loss". It runs 16 steps uninterrupted, then stopped after 6 and 11 and resumed twice. The uninterrupted loss
-must fall (step 16 below step 1), or a resume at the wrong step could pass: a script that cannot learn in 16 steps
-needs a fast setting in --args (a tiny model, a higher learning rate). Every key of every line is compared, bit
-for bit: a key one run logs at a step and the other does not is a difference too. So log only what a resumed run
-must reproduce (no wall-clock times or throughput); a fingerprint of state that does not move the loss (an EMA,
-say) is worth logging. Every key of the two runs' final checkpoints (model, optimizer, extras, random generators)
-must be equal too; when only generators differ, the failure names them. The negative controls patch train_fsdp.py
-and run only on it.
+The script must accept --steps N (the length of the whole run, whose last step it saves), --stop-after K (save step
+K, exit 0), --resume (continue from the newest checkpoint in --ckpt-dir; start at step 0 if there is none),
+--ckpt-dir D and --log-file F, and append to F one JSON object per step from rank 0 with "step" and "loss". It runs
+16 steps uninterrupted, then steps 1-6, 7-11 and 12-16 in three launches. The uninterrupted loss must fall (step 16
+below step 1), or a resume at the wrong step could pass: give a script that cannot learn in 16 steps a fast setting
+in --args. Every key of every line is compared, bit for bit, and a key one run logs at a step and the other does not
+is a difference too: log only what a resumed run must reproduce (no wall-clock times), and a fingerprint of state
+that does not move the loss (an EMA). Every key of the two runs' final checkpoints must be equal too (when only
+generators differ, the failure names them). The negative controls run on train_fsdp.py only.
 """
 
 import argparse
@@ -37,7 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpt
-from tests.harness import REPO, SMALL, TRAIN, max_abs_diff, read_log, torchrun
+from tests.harness import REPO, SMALL, TRAIN, logged_steps, max_abs_diff, read_log, torchrun
 
 NAIVE = os.path.join(REPO, "tests", "naive_resume.py")
 SCRIPT = os.path.abspath(os.environ.get("CKPT_TEST_SCRIPT") or TRAIN)
@@ -131,6 +129,7 @@ def interrupted(tmp_path_factory):
     """Stopped after step 6 (between saves at 4 and 8); its checkpoint is reused by the controls."""
     d = tmp_path_factory.mktemp("interrupted")
     launch(COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--stop-after", "6"])
+    assert logged_steps(d / "log.jsonl") == list(range(1, 7)), "--stop-after 6 must save step 6 and exit 0"
     return d
 
 
@@ -139,11 +138,12 @@ def test_resume_is_bit_exact(reference, interrupted, tmp_path):
     d = tmp_path
     shutil.copytree(interrupted, d, dirs_exist_ok=True)
     args = COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl")]
-    launch(args + ["--resume", "--stop-after", "11"])  # resumes at 6, stops mid-way between saves again
-    launch(args + ["--resume"])                        # resumes at 11, runs to the end
+    for stop in (11, STEPS):  # resumes at 6 and stops mid-way between saves again; resumes at 11, runs to the end
+        launch(args + ["--resume"] + (["--stop-after", str(stop)] if stop < STEPS else []))
+        steps = logged_steps(d / "log.jsonl")
+        assert steps == list(range(1, stop + 1)), (f"the runs logged steps {steps}, not 1..{stop}: --resume must "
+                                                   "continue after the newest checkpoint, --stop-after K stop at K")
     log = read_log(d / "log.jsonl")
-    assert sorted(log) == list(range(1, STEPS + 1)), (f"the runs logged steps {sorted(log)}: --stop-after K must save "
-                                                      "step K and exit 0, --resume continue from the newest checkpoint")
     keys = sorted(set().union(*reference.values(), *log.values()) - {"step"})
     # Figures for the keys that are numbers at every step of both runs; the others (a bool, a list) are compared only.
     measured = [k for k in keys if all(type(r.get(k)) in (int, float) for r in [*reference.values(), *log.values()])]
@@ -180,11 +180,11 @@ def test_naive_resume_is_caught(reference, interrupted, tmp_path, mode):
     d = tmp_path
     shutil.copytree(interrupted, d, dirs_exist_ok=True)
     torchrun(COMMON + ["--ckpt-dir", str(d / "ckpt"), "--log-file", str(d / "log.jsonl"), "--resume"],
-             script=NAIVE, env=dict(os.environ, NAIVE_MODE=mode))
+             nproc=NPROC, script=NAIVE, env=dict(os.environ, NAIVE_MODE=mode))
     log = read_log(d / "log.jsonl")
     after = {s: log[s] for s in log if s > 6}
     dloss = max_abs_diff(reference, after)
-    first_bad = min(s for s in after if after[s]["loss"] != reference[s]["loss"])
+    first_bad = min((s for s in after if after[s]["loss"] != reference[s]["loss"]), default=None)
     print(f"\nnaive resume ({mode}): max |dloss| = {dloss:.3e}, first deviating step {first_bad}")
     assert dloss > 1e-3, f"a {mode} optimizer state should visibly change the losses (max |dloss| {dloss:.3e})"
     assert os.path.isdir(d / "ckpt")

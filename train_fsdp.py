@@ -44,7 +44,7 @@ def get_args(argv=None):
     p.add_argument("--timeout", type=float, default=300, help="training collectives timeout, seconds")
     p.add_argument("--ckpt-dir", default="checkpoints", help="checkpoint root, shared by all ranks")
     p.add_argument("--save-every", type=int, default=50, help="save every K steps (0: only at the end)")
-    p.add_argument("--keep", type=int, default=3, help="keep the newest K committed checkpoints")
+    p.add_argument("--keep", type=int, default=3, help="keep the newest K committed checkpoints (0: all)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
     p.add_argument("--resume-from", metavar="PATH", help="resume from this checkpoint; saves still go to --ckpt-dir")
     p.add_argument("--rollback", action="store_true", help="with --resume-from: give up --ckpt-dir's later steps")
@@ -72,6 +72,8 @@ def get_args(argv=None):
     args.ffn_dim = args.ffn_dim or 8 * ((8 * args.dim // 3 + 7) // 8)
     args.mixed_precision = args.mixed_precision or ("bf16" if torch.cuda.is_available() else "fp32")
     args.resume = args.resume or args.resume_from is not None
+    if args.keep < 0 or (args.stop_after or 0) < 0 or (args.rollback and not args.resume_from):
+        p.error("--keep and --stop-after take K >= 0, and --rollback needs --resume-from (the step to go back to)")
     return args
 
 
@@ -264,7 +266,8 @@ def train(args, device, rank, world):
     if step == 0 and args.init_from:
         init_from(model, args.init_from, rank)
         say(f"initialized weights from {args.init_from}")
-    data, done, first = position.batches(loader), step >= args.steps, step + 1
+    last = min(args.steps, args.steps if args.stop_after is None else args.stop_after)  # this process's last step
+    data, done, first = position.batches(loader), step >= last, step + 1
     while not done:
         t0 = time.time()
         x, y = (t.to(device) for t in next(data))
@@ -286,11 +289,11 @@ def train(args, device, rank, world):
         if args.log_file and rank == 0:
             with open(args.log_file, "a") as log:
                 log.write(json.dumps(dict(step=step, loss=mean_loss, lr=lr, samples=position.samples)) + "\n")
-        done = step in (args.steps, args.stop_after) or preempted
+        done = step >= last or preempted
         if done or (args.save_every and step % args.save_every == 0):
             background = args.async_save and not done  # the last save is synchronous: the run ends with it
             t0 = time.time()
-            out = ckpt.save(args.ckpt_dir, step, model, opt, extra, keep=args.keep, async_save=background,
+            out = ckpt.save(args.ckpt_dir, step, model, opt, extra, keep=args.keep or None, async_save=background,
                             meta={"model_config": hf_config(args)}, timeout=args.ckpt_timeout)
             if background:  # it commits by itself once every rank's write is durable (ckpt logs the commit)
                 say(f"checkpoint of step {step} staged, writing in the background ({time.time() - t0:.2f} s blocked)")

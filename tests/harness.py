@@ -97,6 +97,12 @@ def torchrun(args, nproc=2, script=TRAIN, **kw):
     return run(cmd, **kw)
 
 
+def logged_steps(path):
+    """The steps of a --log-file in the order they were logged: a run that did not stop or resume shows here."""
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
 def read_log(path):
     """{step: record} from a --log-file; a resumed step overwrites the earlier record of that step."""
     out = {}

@@ -15,7 +15,8 @@ before this round (149318c) and passes now.
   * this round's readings: two values of an extra at one path, equal dicts built in another order, ranks given
     other timeouts, strict=False leaving an extra unsaid or advising itself; an extra whose state is None, a
     weights-only load that kept a resume's lineage; a step of part of a batch, a stream key dropped or added; an
-    extra of another dtype, a file passed as a checkpoint.
+    extra of another dtype, a file passed as a checkpoint; test_resume.py passing a script that ignores --stop-after,
+    train_fsdp.py's --stop-after below the step resumed and flags out of range.
 
 The 2-rank parts run in ONE job, tests/defects_job.py (ranks forked by tests/launch.py), started as the module starts.
 
@@ -37,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckpt
 from tests import defects_job, state_job
-from tests.harness import REPO, refused_everywhere, run, scenarios_result
+from tests.harness import REPO, SMALL, TRAIN, logged_steps, refused_everywhere, run, scenarios_result, torchrun
 
 JOB = os.path.join(REPO, "tests", "defects_job.py")
 
@@ -534,3 +535,48 @@ def test_async_copy_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
     for secs, msg in said.values():
         assert float(secs) < 30 and "injected: the copy failed outside its try" in msg
     assert ckpt.committed_steps(tmp_path / "root") == []
+
+
+# ------------------------------------------------------------------------- the trainer and the resume test
+
+IGNORES_STOP = r'''
+import sys
+sys.path.insert(0, sys.argv.pop(1))
+import train_fsdp
+i = sys.argv.index("--stop-after") if "--stop-after" in sys.argv else None
+if i is not None:  # the defect under test: the script runs on past --stop-after K
+    del sys.argv[i: i + 2]
+sys.exit(train_fsdp.main())
+'''
+
+
+def test_resume_test_fails_a_script_that_ignores_stop_after(tmp_path):
+    """test_resume.py on a script that never stops at --stop-after K (it trains all 16 steps every launch): it must
+    fail, saying so. Before, it passed ("0 differ"): it kept the last record of each step of the log."""
+    script = tmp_path / "ignores_stop.py"
+    script.write_text(IGNORES_STOP.replace("sys.argv.pop(1)", repr(REPO)))
+    env = dict(os.environ, CKPT_TEST_SCRIPT=str(script), CKPT_TEST_NPROC="1",
+               CKPT_TEST_ARGS=" ".join(SMALL + ["--save-every", "4", "--seed", "3"]))
+    rc, out = run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "test_resume.py", "-k",
+                   "bit_exact"], timeout=300, env=env, check=False)
+    said = [ln for ln in out.splitlines() if "--stop-after 6 must" in ln]
+    print(f"\nexit {rc}: {said[:1]}")
+    assert rc != 0 and said, out[-3000:]
+
+
+def test_trainer_stops_at_or_past_stop_after_and_refuses_flags_out_of_range(tmp_path):
+    """train_fsdp.py --stop-after 0 ends before any step (it ran them all: the check was step == K, so a resume past
+    K ran the whole training); --keep -1 and --rollback without --resume-from are refused at start-up (they failed at
+    the first save, losing the steps trained, or said rollback_to=0)."""
+    import train_fsdp
+    refused = {}
+    for flags in (["--keep", "-1"], ["--rollback"], ["--stop-after", "-2"]):
+        with pytest.raises(SystemExit):
+            train_fsdp.get_args(flags)
+        refused[" ".join(flags)] = True
+    log = tmp_path / "log.jsonl"
+    rc, out = torchrun(SMALL + ["--steps", "8", "--stop-after", "0", "--ckpt-dir", str(tmp_path / "ckpt"),
+                                "--log-file", str(log)], nproc=1, check=False, timeout=120)
+    steps = logged_steps(log) if log.exists() else []
+    print(f"\nrefused at start-up: {sorted(refused)}; --stop-after 0: exit {rc}, steps logged {steps}")
+    assert rc == 0 and steps == [], out[-2000:]
