@@ -462,18 +462,21 @@ class OptimizerByName:
                 raise CheckpointError(f"{self.kind}'s param group {i} " + (
                     f"was group {j} when saved: build them in their saved order (an LR scheduler's state follows it)"
                     if not other else f"does not hold the parameters its saved group held: {other[:10]} are in one "
-                    "of them only (param groups or pipeline stages built otherwise: load the weights alone instead)"))
+                    "of them only (optimizers passed in another order: pass them as saved; param groups or pipeline "
+                    "stages built otherwise: load the weights alone instead)"))
         if len(saved) != len(live):  # a group less
             raise CheckpointError(f"{self.kind} has {len(live)} param groups, the checkpoint {len(saved)}")
-        groups = [dict(group, params=now["params"]) for group, now in zip(saved, live)]  # in this order
+        groups = []
+        for i, (group, now) in enumerate(zip(saved, live)):  # the saved options over the live ones; the live names
+            lacking = sorted(set(group) - set(now) - {"param_names"})
+            if lacking:
+                raise CheckpointError(f"{self.kind}'s param group {i} has no option {lacking} of the checkpoint's" + (
+                    " (an LR scheduler adds 'initial_lr': create schedulers before load(), as at save())"
+                    if "initial_lr" in lacking else ""))
+            groups.append({**now, **{k: v for k, v in group.items() if k != "param_names"}, "params": now["params"]})
         return Skeleton({"state": record["state"]["state"], "param_groups": groups}, record["tensors"], base)
 
     def load_state_dict(self, sd):
-        lacking = sorted({k for group in sd["param_groups"] for k in group} - set(self.optimizer.param_groups[0]))
-        if lacking:
-            raise CheckpointError(f"{self.kind} has no option {lacking} of the checkpoint's" + (
-                " (an LR scheduler adds 'initial_lr': create schedulers before load(), as at save())"
-                if "initial_lr" in lacking else ""))
         self.optimizer.load_state_dict(sd)  # it maps the saved ids (names) onto its parameters in order
         for name, param in zip(self.fqns, self.params):  # each parameter holds the state saved under its name
             now, saved = self.optimizer.state.get(param, {}), sd["state"].get(name, {})

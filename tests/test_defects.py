@@ -387,6 +387,35 @@ def test_extra_of_another_layout_and_a_file_are_refused(tmp_path, plain):
     assert shadow["w"].dtype == torch.bfloat16 and "manifest.json is a file" in errors["file"]
 
 
+def test_param_group_options_matched_per_group_before_the_read(tmp_path, plain):
+    """AdamW over named parameters with a second group carrying a "name" and a custom option: resumed as saved (it was
+    refused: every saved group was compared with live group 0); the live names kept (the checkpoint's were taken, a
+    torch.compile wrapper's prefix and all); an option only the live group has kept. A checkpoint whose groups hold a
+    scheduler's initial_lr, loaded before the scheduler is made: refused before any tensor is read, so the model is
+    not left part-loaded (it was refused after the read, and save() then refused the model)."""
+    def build(prefix="", **option):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+        named = [(prefix + n, p) for n, p in model.named_parameters()]
+        head = {"params": named[2:], "name": "head", "my_opt": 7, **option}
+        return model, torch.optim.AdamW([{"params": named[:2]}, head], lr=1e-2)
+    model, opt = build("_orig_mod.")
+    torch.optim.lr_scheduler.StepLR(opt, 2)  # its initial_lr in every group
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt.save(tmp_path / "root", 1, model, opt)
+    model, opt = build(clip=1.0)
+    torch.optim.lr_scheduler.StepLR(opt, 2)
+    step = ckpt.load(tmp_path / "root", model, opt)
+    names, head = opt.param_groups[0]["param_names"], opt.param_groups[1]
+    fresh, fresh_opt = build()  # its scheduler would come after load()
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(tmp_path / "root", fresh, fresh_opt)
+    saved_after = os.path.basename(ckpt.save(tmp_path / "other", 1, fresh, fresh_opt))
+    print(f"\nloaded {step}; names {names}; head {sorted(head)}; no scheduler yet: {str(e.value)[-120:]}")
+    assert step == 1 and names == ["0.weight", "0.bias"] and head["my_opt"] == 7 and head["clip"] == 1.0
+    assert "initial_lr" in str(e.value) and saved_after == "step-00000001"
+
+
 def test_forged_storage_paths_refused(tmp_path, plain):
     """.metadata's storage paths forged to point into another step (its checksums forged to match): load() of step 2
     refuses the path by name instead of reading step 1's files. The control: plain DCP reads step 1's weights."""
