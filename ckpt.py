@@ -88,7 +88,7 @@ FAILURES = (Exception, dcp.CheckpointException)  # DCP raises any rank's failure
 PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)  # a file system without flock(): Lustre, NFS without lockd
 
-_groups = {}  # timeout -> the gloo group of checkpoint collectives
+_groups = {}  # (timeout, the default group) -> the gloo group of checkpoint collectives
 _locks = {}  # root -> the open .owner.json whose lock claims the root for this run (rank 0)
 _lineage = weakref.WeakKeyDictionary()  # module -> the step its model continues from: resumed from, or saved
 _part_loaded = weakref.WeakSet()  # modules a load failed to finish writing into: save() refuses them until a load works
@@ -192,10 +192,12 @@ def close():
     finally:
         for root in list(_locks):  # first: the root is released whatever fails below
             _release(root)
-        for registry in (_cache, _lineage, _part_loaded):  # the next run in this process starts afresh
+        for registry in (_cache, _lineage):  # the next run in this process starts afresh (a part-loaded model stays)
             registry.clear()
-        while _groups:  # last: it raises if the default group is gone already
-            dist.destroy_process_group(_groups.popitem()[1])
+        while _groups:  # last; a destroyed default group took ours with it
+            group = _groups.popitem()[1]
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
 
 def wait_pending():  # ckpt's work in a thread (appendix A) is over; raises a failed save's error nobody waited for
     while _pending:
@@ -211,10 +213,10 @@ def checkpoint_group(timeout=DEFAULT_TIMEOUT):
     timeout: training's short one (for a hung rank) would kill the job in a save to slow storage; gloo: off the GPU."""
     if not dist.is_initialized():
         return None
-    timeout = _timeout(timeout)
-    if timeout not in _groups:
-        _groups[timeout] = _collective("make ckpt's process group", dist.new_group, backend="gloo", timeout=timeout)
-    return _groups[timeout]
+    key = (_timeout(timeout), dist.group.WORLD)  # a default group made anew (no close() before) needs ours anew
+    if key not in _groups:
+        _groups[key] = _collective("make ckpt's process group", dist.new_group, backend="gloo", timeout=key[0])
+    return _groups[key]
 
 def _timeout(timeout):  # a timedelta, or seconds
     return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
@@ -325,8 +327,8 @@ def _collect(step, keep, model, optimizers, extra, rng, meta, digests):  # step 
     if not_json:
         raise CheckpointError(f"save(): meta must be JSON, its keys str: {_describe(not_json)}") from not_json
     if any(m in _part_loaded for m in model.modules()):  # its shards would mix what ranks read and did not read
-        raise CheckpointError("save(): the last load() into this model failed while reading, so the model and "
-                              "optimizers may hold part of it: load() again before saving")
+        raise CheckpointError("save(): the last load() into this model failed once it was reading into it, so the "
+                              "model and optimizers may hold part of it: load() again before saving")
     compare = digests if _world_size() > 1 else None  # a world of one has nobody to disagree with
     model_sd = get_model_state_dict(model)
     names = _param_names(model, model_sd)

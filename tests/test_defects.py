@@ -16,7 +16,8 @@ before this round (149318c) and passes now.
     other timeouts, strict=False leaving an extra unsaid or advising itself; an extra whose state is None, a
     weights-only load that kept a resume's lineage; a step of part of a batch, a stream key dropped or added; an
     extra of another dtype, a file passed as a checkpoint; test_resume.py passing a script that ignores --stop-after,
-    train_fsdp.py's --stop-after below the step resumed and flags out of range.
+    train_fsdp.py's --stop-after below the step resumed and flags out of range; a param group's own option, the
+    live param_names; close() forgetting a part-loaded model; a default group made anew without close().
 
 The 2-rank parts run in ONE job, tests/defects_job.py (ranks forked by tests/launch.py), started as the module starts.
 
@@ -189,7 +190,7 @@ def test_corrupted_shard_refused_by_name_and_save_refused_after(job):
           f"reload step {res[0].get('reloaded')}, rollback {res[0]['rollback']['raised']}, save "
           f"{res[0].get('saved_after')}; control verify=False: step {res[0].get('control_loaded')}, max |dweight| "
           f"{res[0]['control_vs_saved']:.3e}")
-    refused_everywhere([x["save"] for x in res], "failed while reading", "load() again before saving")
+    refused_everywhere([x["save"] for x in res], "failed once it was reading into it", "load() again before saving")
     for x in res:
         assert x["secs"] < 10 and x["reloaded"] == 2 and x["rollback"]["raised"] is None
         assert x["saved_after"] == "step-00000003" and x["control_loaded"] == 4 and x["control_vs_saved"] > 0
@@ -215,9 +216,12 @@ def test_corrupted_shard_at_one_rank(tmp_path, plain):
         ckpt.load(root, model, opt)
     with pytest.raises(ckpt.CheckpointError) as again:
         ckpt.save(root, 3, model, opt)
-    print(f"\n{str(e.value)[:200]}\nsave after it: {str(again.value)[:120]}")
+    ckpt.close()  # a new run in this process: the model still holds part of the checkpoint
+    with pytest.raises(ckpt.CheckpointError) as after_close:
+        ckpt.save(root, 3, model, opt)
+    print(f"\n{str(e.value)[:200]}\nsave after it: {str(again.value)[:120]}\nafter close(): {after_close.value}")
     assert "__0_0.distcp does not match its checksum (corrupted)" in str(e.value)
-    assert "load() again before saving" in str(again.value)
+    assert "load() again before saving" in str(again.value) and "load() again" in str(after_close.value)
     assert ckpt.load(root / "step-00000001", model, opt) == 1
     ckpt.check_root(root, model, rollback_to=1)
     assert os.path.basename(ckpt.save(root, 2, model, opt)) == "step-00000002"
@@ -414,6 +418,27 @@ def test_param_group_options_matched_per_group_before_the_read(tmp_path, plain):
     print(f"\nloaded {step}; names {names}; head {sorted(head)}; no scheduler yet: {str(e.value)[-120:]}")
     assert step == 1 and names == ["0.weight", "0.bias"] and head["my_opt"] == 7 and head["clip"] == 1.0
     assert "initial_lr" in str(e.value) and saved_after == "step-00000001"
+
+
+def test_default_group_made_anew_without_close(tmp_path, plain):
+    """A process group destroyed without ckpt.close() and made anew: the next save makes ckpt's group anew and commits
+    (the stale group was used: the save failed, blaming a crashed rank); close() after the default group is gone
+    ends cleanly (a bare ValueError, which hid a failed background save's error)."""
+    import torch.distributed as dist
+    def init(name):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / name}", rank=0, world_size=1)
+    model, saved = torch.nn.Linear(2, 2), []
+    try:
+        for run in ("first", "second"):
+            init(run)
+            saved.append(os.path.basename(ckpt.save(tmp_path / "root", len(saved) + 1, model)))
+            dist.destroy_process_group()
+        ckpt.close()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(f"\nsaved {saved} across two default groups; close() after both were gone: ok")
+    assert saved == ["step-00000001", "step-00000002"]
 
 
 def test_forged_storage_paths_refused(tmp_path, plain):

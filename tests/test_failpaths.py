@@ -745,7 +745,7 @@ def test_save_after_a_failed_load(jobs):
           f"{r['reload']}, save {r['save_after']}, load {r['load_after']}")
     failed_fast([x["save"] for x in res], "save of the half-loaded state")
     for x in res:
-        assert "failed while reading, so the model and optimizers may hold part of it" in x["save"]["msg"]
+        assert "failed once it was reading into it, so the model and optimizers may hold part of it" in x["save"]["msg"]
         assert "load() again before saving" in x["save"]["msg"]
         assert x["committed_after_refusal"] == [1]
         assert "recover_error" not in x, x["recover_error"]
