@@ -515,6 +515,8 @@ def _check_shared(group, path, made=False):  # a rank that cannot see what rank 
 def _claim(root, lineage, step=None, rollback_to=None, lock=True):
     """Rank 0: make this run the only writer of root (two runs on one root delete each other's saves in progress,
     each taking them for a crashed run's); then hold the branch rule for a save of step (None: check_root())."""
+    if _entry(os.path.basename(root))[0] or os.path.exists(os.path.join(root, MANIFEST)):
+        raise CheckpointError(f"{root} is a checkpoint, not a root: pass the directory that holds the step-N")
     first = root not in _locks
     if first:
         if not _locks:  # a forked child (a DataLoader worker) is not the run
@@ -748,16 +750,17 @@ def _match(ckpt, small, model, objects, strict):  # step 3, on every rank: what 
                 f"{v.properties.dtype} {tuple(v.size)}" if hasattr(v, "size") else "no tensor")
     saved = ckpt.metadata.state_dict_metadata
     model_sd = get_model_state_dict(model)
-    request = {f"model.{k}": v for k, v in model_sd.items() if strict or f"model.{k}" in saved}
-    left = [f"model.{k}" for k in model_sd if f"model.{k}" not in request]  # strict=False: a fine-tune's new head
+    def fits(key, v):  # strict=False leaves what the checkpoint lacks or holds in another layout (a resized head)
+        return strict or (key in saved and layout(saved[key]) == layout(v))
+    request = {f"model.{k}": v for k, v in model_sd.items() if fits(f"model.{k}", v)}
+    left = [f"model.{k}" for k in model_sd if f"model.{k}" not in request]
     missing = [key for key in request if key not in saved]
     other = [f"{key}: {layout(saved[key])} saved, {layout(v)} here" for key, v in request.items()
              if key in saved and layout(saved[key]) != layout(v)]
-    if missing or other:
-        hint = " (new layers of a fine-tune: strict=False)" if missing else ""  # missing: strict only
+    if missing or other:  # strict only
         raise CheckpointError(f"checkpoint {ckpt.dir} does not match the model: {len(missing)} key(s) missing from "
-                              f"the checkpoint {missing[:10]}{hint}; {len(other)} key(s) of another dtype or shape "
-                              f"{other[:10]}")
+                              f"the checkpoint {missing[:10]}; {len(other)} key(s) of another dtype or shape "
+                              f"{other[:10]} (a fine-tune's new or resized layers: strict=False)")
     names = _param_names(model, model_sd)
     params = {fqn: param for param, fqns in names.items() for fqn in fqns}
     resized = ckpt.world_size != _world_size()
@@ -798,7 +801,8 @@ def _match(ckpt, small, model, objects, strict):  # step 3, on every rank: what 
             request[path] = _empty_like(saved[path], live.get(path), like.get(path))
         loaded[key] = (obj, skeleton)
     if left:
-        log.warning("not in %s, left as they are (strict=False): %s", ckpt.dir, ", ".join(sorted(left)))
+        log.warning("not in %s, or in another layout: left as they are (strict=False): %s", ckpt.dir,
+                    ", ".join(sorted(left)))
     return request, loaded
 
 def _check_covered(group, ckpt, read, strict, resuming):  # every model key some rank's (a pipeline stage reads its)

@@ -17,7 +17,8 @@ before this round (149318c) and passes now.
     weights-only load that kept a resume's lineage; a step of part of a batch, a stream key dropped or added; an
     extra of another dtype, a file passed as a checkpoint; test_resume.py passing a script that ignores --stop-after,
     train_fsdp.py's --stop-after below the step resumed and flags out of range; a param group's own option, the
-    live param_names; close() forgetting a part-loaded model; a default group made anew without close().
+    live param_names; close() forgetting a part-loaded model; a default group made anew without close(); a
+    fine-tune's resized head; check_root() of a checkpoint directory.
 
 The 2-rank parts run in ONE job, tests/defects_job.py (ranks forked by tests/launch.py), started as the module starts.
 
@@ -260,24 +261,33 @@ def test_weights_only_load_ends_the_lineage(tmp_path, plain):
     assert ckpt.committed_steps(tmp_path / "a") == [2]
 
 
-def test_strict_false_says_what_it_left_and_advises_only_what_helps(tmp_path, plain, caplog):
-    """load(strict=False) of a checkpoint without the extra passed: the extra is left, and said by name (it was
-    left silently). A layer of another shape under strict=False is refused without advising strict=False."""
-    model, ema = torch.nn.Linear(3, 2), {"shadow": torch.zeros(3)}
+def test_strict_false_leaves_a_resized_head_and_says_what_it_left(tmp_path, plain, caplog):
+    """load(strict=False) of a checkpoint without the extra passed, into a model whose head has another number of
+    classes under the same name: the body loads, the head and the extra are left as they are, each said by name (the
+    extra was left silently, the resized head refused). check_root() of a checkpoint directory, not its root, is
+    refused (it wrote .owner.json into the commit and left the root unclaimed)."""
+    ema = {"shadow": torch.zeros(3)}
     class Extra:
         def state_dict(self):
             return dict(ema)
         def load_state_dict(self, sd):
             ema.update(sd)
-    ckpt.save(tmp_path / "root", 1, model)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    path = ckpt.save(tmp_path / "root", 1, model)
+    tuned = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 5))
+    head = tuned[1].weight.detach().clone()
     with caplog.at_level("WARNING", logger="ckpt"):
-        step = ckpt.load(tmp_path / "root", model, extra={"ema": Extra()}, strict=False)
+        step = ckpt.load(tmp_path / "root", tuned, extra={"ema": Extra()}, strict=False)
     said = [r.getMessage() for r in caplog.records if "left as they are" in r.getMessage()]
-    with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.load(tmp_path / "root", torch.nn.Linear(3, 5), strict=False)
-    print(f"\nloaded {step}, said: {said}\nanother shape: {str(e.value)[-160:]}")
-    assert step == 1 and len(said) == 1 and "extra.ema" in said[0]
-    assert "another dtype or shape" in str(e.value) and "strict=False" not in str(e.value).split("does not match")[1]
+    with pytest.raises(ckpt.CheckpointError) as strict:
+        ckpt.load(tmp_path / "root", tuned)
+    with pytest.raises(ckpt.CheckpointError) as claim:
+        ckpt.check_root(path, model)
+    print(f"\nloaded {step}, said: {said}\nstrict: {str(strict.value)[-120:]}\ncheck_root: {claim.value}")
+    assert step == 1 and len(said) == 1 and torch.equal(tuned[0].weight, model[0].weight)
+    assert torch.equal(tuned[1].weight, head) and all(k in said[0] for k in ("extra.ema", "model.1.weight"))
+    assert "(a fine-tune's new or resized layers: strict=False)" in str(strict.value)
+    assert "is a checkpoint, not a root" in str(claim.value) and not os.path.exists(os.path.join(path, ckpt.OWNER))
 
 
 AGREE = r'''
