@@ -91,7 +91,7 @@ NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)  # a file system witho
 _groups = {}  # (timeout, the default group) -> the gloo group of checkpoint collectives
 _locks = {}  # root -> the open .owner.json whose lock claims the root for this run (rank 0)
 _lineage = weakref.WeakKeyDictionary()  # module -> the step its model continues from: resumed from, or saved
-_part_loaded = weakref.WeakSet()  # modules a load failed to finish writing into: save() refuses them until a load works
+_part_loaded = weakref.WeakSet()  # modules and optimizers a load failed to finish writing into: refused by save()
 _pending = []  # work in a thread (appendix A) that every call waits for first: at most one save in flight
 _cache = {}  # what appendix A keeps between saves (the host memory of async saves); dropped by close()
 
@@ -163,10 +163,10 @@ def load(path, model, optimizer=None, extra=None, *, strict=True, verify=True, t
         request, loaded = _each(group, f"load: match {ckpt_dir}", _match, found, small, model, objects, strict)
         _check_covered(group, found, {*request, *small}, strict, resuming=bool(optimizers))
         # 4. Read into the live shards and the objects' tensors; 5. restore.
-        _part_loaded.update(model.modules())  # until every rank restored it all; a torch.compile wrapper is the model
+        _part_loaded.update([*model.modules(), *optimizers])  # until every rank restored it all
         _read(found, request, group)
         _each(group, f"load: restore {ckpt_dir}", _restore, found, request, loaded, model, strict)
-        _part_loaded.difference_update(model.modules())
+        _part_loaded.difference_update([*model.modules(), *optimizers])
     _lineage.update(dict.fromkeys(model.modules(), found.step if optimizers else None))  # a resume's, else none
     log.info("loaded %s (step %d, saved at world size %d)", ckpt_dir, found.step, found.world_size)
     return found.step
@@ -326,9 +326,9 @@ def _collect(step, keep, model, optimizers, extra, rng, meta, digests):  # step 
     not_json = _attempt(lambda: json.dumps(meta, sort_keys=True))[1]  # refused now, not at the commit after the write
     if not_json:
         raise CheckpointError(f"save(): meta must be JSON, its keys str: {_describe(not_json)}") from not_json
-    if any(m in _part_loaded for m in model.modules()):  # its shards would mix what ranks read and did not read
-        raise CheckpointError("save(): the last load() into this model failed once it was reading into it, so the "
-                              "model and optimizers may hold part of it: load() again before saving")
+    if any(m in _part_loaded for m in [*model.modules(), *optimizers]):  # ranks' shards would mix two states
+        raise CheckpointError("save(): the last load() into this model or optimizer failed once it was reading into "
+                              "it, so the model and optimizers may hold part of it: load() again before saving")
     compare = digests if _world_size() > 1 else None  # a world of one has nobody to disagree with
     model_sd = get_model_state_dict(model)
     names = _param_names(model, model_sd)
@@ -704,7 +704,7 @@ def _open(ckpt_dir, optimizers, verify, pool):  # step 2, on every rank
         raise CheckpointError(f"refusing to load {what}: {e}.{_instead(ckpt_dir)}") from None
     mine = _my_files(manifest["files"])
     sizes = verify_files(ckpt_dir, manifest, mine, False)  # this rank's files; .metadata whole before it is unpickled
-    _refuse(ckpt_dir, sizes + verify_files(ckpt_dir, manifest, [".metadata"], verify))
+    _refuse(ckpt_dir, sizes + verify_files(ckpt_dir, manifest, [".metadata"]))  # verify=False too: it is small
     try:
         metadata = read_metadata(ckpt_dir)
     except CheckpointError as e:  # removed by another run's retention since (_instead() says so), or too new
@@ -1245,6 +1245,8 @@ class SkippingSampler(torch.utils.data.DistributedSampler):
     start = 0
 
     def __iter__(self):
+        if self.start % self.num_replicas:  # else the ranks would read different numbers of batches, and hang
+            raise ValueError(f"SkippingSampler: start {self.start} is not a multiple of the {self.num_replicas} ranks")
         n, generator = len(self.dataset), torch.Generator().manual_seed(self.seed + self.epoch)
         order = (torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)).tolist()
         order = (order * math.ceil(self.total_size / n))[: self.total_size]

@@ -18,7 +18,8 @@ before this round (149318c) and passes now.
     extra of another dtype, a file passed as a checkpoint; test_resume.py passing a script that ignores --stop-after,
     train_fsdp.py's --stop-after below the step resumed and flags out of range; a param group's own option, the
     live param_names; close() forgetting a part-loaded model; a default group made anew without close(); a
-    fine-tune's resized head; check_root() of a checkpoint directory.
+    fine-tune's resized head; check_root() of a checkpoint directory; an optimizer part-loaded; .metadata's
+    CRC with verify=False; a SkippingSampler start that is not a multiple of the ranks.
 
 The 2-rank parts run in ONE job, tests/defects_job.py (ranks forked by tests/launch.py), started as the module starts.
 
@@ -223,6 +224,18 @@ def test_corrupted_shard_at_one_rank(tmp_path, plain):
     print(f"\n{str(e.value)[:200]}\nsave after it: {str(again.value)[:120]}\nafter close(): {after_close.value}")
     assert "__0_0.distcp does not match its checksum (corrupted)" in str(e.value)
     assert "load() again before saving" in str(again.value) and "load() again" in str(after_close.value)
+    assert ckpt.load(root / "step-00000001", model) == 1  # the weights alone: the optimizer holds part of step 2
+    with pytest.raises(ckpt.CheckpointError) as optimizer_part_loaded:
+        ckpt.save(tmp_path / "new", 1, model, opt)
+    meta = root / "step-00000001" / ".metadata"
+    intact = meta.read_bytes()
+    meta.write_bytes(intact[:10] + bytes([intact[10] ^ 0xFF]) + intact[11:])
+    with pytest.raises(ckpt.CheckpointError) as metadata:
+        ckpt.load(root / "step-00000001", model, opt, verify=False)  # .metadata's CRC is checked all the same
+    meta.write_bytes(intact)
+    print(f"optimizer part-loaded: {str(optimizer_part_loaded.value)[:100]}\n.metadata: {str(metadata.value)[:160]}")
+    assert "load() again before saving" in str(optimizer_part_loaded.value)
+    assert ".metadata does not match its checksum" in str(metadata.value)
     assert ckpt.load(root / "step-00000001", model, opt) == 1
     ckpt.check_root(root, model, rollback_to=1)
     assert os.path.basename(ckpt.save(root, 2, model, opt)) == "step-00000002"
@@ -373,10 +386,16 @@ def test_position_refuses_a_step_that_is_not_whole_batches_and_any_change_of_str
         except ValueError as e:
             streams[name] = str(e)
     said = {"8 over 3 x 2": first(8, 2, 3), "no batch_size": first(8, None, 2), "8 over 2 x 4": first(8, 4, 2)}
+    uneven = ckpt.SkippingSampler(dataset, num_replicas=3, rank=0, shuffle=False)
+    uneven.start = 4  # set directly: ranks would read 3, 3 and 2 samples, len() saying 12 each
+    with pytest.raises(ValueError) as e:
+        iter(uneven)
+    said["start 4 over 3 ranks"] = str(e.value)
     print(f"\n{said}\n{streams}")
     assert "global_batch 8 is not a whole number of batches of 2 x 3 ranks" in said["8 over 3 x 2"]
     assert "batches of None x 2 ranks" in said["no batch_size"] and said["8 over 2 x 4"] == [0, 2, 4, 6]
     assert "seq_len 128 saved, None now" in streams["dropped"] and "vocab None saved, 2 now" in streams["added"]
+    assert "start 4 is not a multiple of the 3 ranks" in said["start 4 over 3 ranks"]
 
 
 def test_extra_of_another_layout_and_a_file_are_refused(tmp_path, plain):
