@@ -1145,8 +1145,9 @@ class HostCopy:
             self.settle()
         changed = [k for k, v in self.after.items() if v != self.versions[k]]
         if changed and self.error is None:
-            self.error = (f"{changed[:5]} were written in place while being copied to host memory (an EMA update, a "
-                          "weight edit, a buffer in forward()): call pending.wait_copy() before writing them")
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            self.error = (f"{changed[:5]}{more} were written in place while being copied to host memory (an EMA "
+                          "update, a weight edit, a buffer in forward()): call pending.wait_copy() before writing them")
 
     def settle(self):  # the versions once the copy is over: a write counted before then raced it, later ones follow
         with self.lock:

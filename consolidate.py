@@ -12,18 +12,16 @@ out/, what `transformers` and `train_fsdp.py --init-from` read: DCP's "<prefix><
     model.safetensors.index.json         {"metadata": {"total_size": bytes}, "weight_map": {name: file}}
 
   1. Find: CKPT is a checkpoint directory, or a root (then its highest step, the one ckpt.load would choose).
-  2. Verify, before anything is written: the size and CRC-32 of every file the manifest lists (--no-checksum:
-     sizes only). A CRC covers a whole file, so the optimizer state, 2/3 of the bytes, is read for it too.
+  2. Verify, before anything is written: the size and CRC-32 of each file the manifest lists (--no-checksum: sizes).
   3. Plan from DCP's .metadata (read without running code from it): names, shapes and dtypes, packed in
      checkpoint order into files of at most --max-shard-size, so every header is known before a tensor is read.
   4. Stream: a file's tensors are read in groups of at most READ_GROUP bytes by dcp.load(no_dist=True) into
      fresh full tensors, written and freed. Peak memory: one group (or one tensor, if larger) plus torch.
-  5. Commit: the files go into a directory beside OUT, are fsynced and read back by safetensors.safe_open; then
-     it is renamed to OUT. A failure removes it; a killed process leaves it as .OUT.tmp-<id>, never at OUT.
+  5. Commit: the files go into .OUT.tmp-<id> beside OUT, are fsynced, read back by safetensors.safe_open and
+     renamed to OUT. A failure removes them; a killed process leaves them there, never at OUT.
 
-Not safetensors.torch.save_file, which takes a whole file's tensors at once: the format (an 8-byte length, a JSON
-header, the raw little-endian bytes) is written tensor by tensor. Tied weights: each name is read from its own DCP
-entry into its own buffer (safetensors refuses tensors that share memory); transformers ties them again.
+The format (an 8-byte length, a JSON header, raw little-endian bytes) is written tensor by tensor, not by save_file,
+which takes a file's tensors at once. Tied weights are read into buffers of their own; transformers ties them again.
 """
 
 import argparse
@@ -50,6 +48,7 @@ ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # safetensors' dtype names
 INDEX = "model.safetensors.index.json"
+OUTPUT = r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"  # the files written
 Entry = collections.namedtuple("Entry", "key name shape dtype_in dtype_out bytes_in bytes_out")  # _in: as saved
 
 class ConsolidateError(RuntimeError):
@@ -57,18 +56,17 @@ class ConsolidateError(RuntimeError):
 
 def parse_size(text):
     """'5GB' -> 5e9, '500MiB' -> 500 * 2**20, '1000' -> 1000 bytes (GB as Hugging Face counts it)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
-    if not match:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?))?B?\s*", text.upper())
+    size = match and int(float(match[1]) * (1024 if match[3] else 1000) ** "_KMGT".index(match[2] or "_"))
+    if not size:  # no match, or under a byte
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
-    number, unit, binary = match.groups()
-    return int(float(number) * (1024 if binary else 1000) ** "_KMGT".index(unit or "_"))
+    return size
 
 def find(path):
     """Step 1: the checkpoint directory at or under path."""
     path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise ConsolidateError(f"{path} {'is not a directory' if os.path.exists(path) else 'does not exist'}: "
-                               "give a checkpoint directory (step-NNNNNNNN) or a checkpoint root")
+    if not os.path.exists(path):  # a file: ckpt refuses it
+        raise ConsolidateError(f"{path} does not exist: give a checkpoint directory (step-NNNNNNNN) or a root")
     found = ckpt.find_checkpoint(path)  # refuses a .tmp- directory: an uncommitted save's files may be partial
     if found is None:
         raise ConsolidateError(f"no committed checkpoint (step-NNNNNNNN with {ckpt.MANIFEST}) under {path}")
@@ -121,8 +119,11 @@ def write_file(path, entries, ckpt_dir, metadata, progress):
         for group in batches(entries, READ_GROUP, lambda e: e.bytes_in):
             # Full tensors of this group's keys alone: DCP reads their pieces from every rank's file.
             tensors = {e.key: torch.empty(e.shape, dtype=e.dtype_in) for e in group}
-            dcp.load(tensors, storage_reader=ckpt.SafeReader(ckpt_dir, metadata), planner=ckpt.SafeLoadPlanner(),
-                     no_dist=True)
+            try:
+                dcp.load(tensors, storage_reader=ckpt.SafeReader(ckpt_dir, metadata),
+                         planner=ckpt.SafeLoadPlanner(), no_dist=True)
+            except dcp.CheckpointException as e:  # a damaged file that --no-checksum let through
+                raise ConsolidateError(f"{ckpt_dir}: its files cannot be read (damaged? check their CRCs)") from e
             for e in group:
                 tensor = tensors.pop(e.key).to(e.dtype_out)  # freed once written
                 # write() takes the tensor's memory through ctypes, without a copy (tensor.numpy() would need numpy).
@@ -152,11 +153,12 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
                 prefix="model."):
     """Write the checkpoint's model to out: {"checkpoint", "files", "tensors", "bytes", "seconds"}. Raises
     ConsolidateError, ckpt.CheckpointError or OSError naming the bad path, with nothing written at out."""
-    if sys.byteorder != "little":
-        raise ConsolidateError("safetensors stores little-endian bytes: run this on a little-endian machine")
     start, out = time.monotonic(), os.path.abspath(out)
     if os.path.lexists(out) and not overwrite:
         raise ConsolidateError(f"{out} already exists: pass --overwrite to replace it")
+    ours = os.path.isdir(out) and not os.path.islink(out) and all(re.fullmatch(OUTPUT, n) for n in os.listdir(out))
+    if os.path.lexists(out) and not ours:  # --overwrite replaces an export, never a directory of other files
+        raise ConsolidateError(f"{out} is not an export of this script: --overwrite replaces only its files")
     ckpt_dir = find(path)
     root = os.path.dirname(ckpt_dir)  # a checkpoint copied on its own has none: it alone is protected then
     protected = root if ckpt.committed_steps(root) else ckpt_dir
@@ -221,10 +223,8 @@ def commit(tmp, out, overwrite):
         os.rename(out, old)
     os.rename(tmp, out)  # without --overwrite, an out that appeared meanwhile makes this fail (unless empty)
     ckpt.fsync_dir(os.path.dirname(out))  # a rename survives a power cut only once its directory is flushed
-    if os.path.isdir(old) and not os.path.islink(old):
+    if os.path.lexists(old):
         shutil.rmtree(old)
-    elif os.path.lexists(old):
-        os.remove(old)  # out was a file or a link
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,9 +12,10 @@ train_fsdp.LlamaLM evaluated in this process.
     python -m pytest -q -s tests/test_consolidate.py
 """
 
+import argparse
 import contextlib
-import io
 import glob
+import io
 import json
 import os
 import runpy
@@ -391,7 +392,7 @@ def test_overwrite_and_crash_leave_no_half_output(trained, tmp_path, monkeypatch
     src = ckpt.step_dir(trained / "ckpt", STEPS)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("old export")
+    (out / "model-00001-of-00002.safetensors").write_text("old export")  # a name this script writes
 
     real_load = dcp.load
 
@@ -427,6 +428,35 @@ def test_overwrite_and_crash_leave_no_half_output(trained, tmp_path, monkeypatch
           f"after --overwrite: {after[0]} ({result['tensors']} tensors, {len(result['files'])} file), "
           f"leftovers {after[1]}")
     assert len(partial) == 1 and 0 < partial[0] < full
-    assert crashed == (["keep.txt"], [])
+    assert crashed == (["model-00001-of-00002.safetensors"], [])
     assert not fresh
     assert after == (["config.json", "model.safetensors"], [])
+
+
+def test_sizes_other_files_and_unreadable_shards_are_refused(trained, tmp_path, capsys, monkeypatch):
+    """--max-shard-size refuses "5IB", "0" and "0.5" (they parsed as 5 and 0 bytes: a file per tensor); --overwrite
+    refuses an OUT holding files this script does not write (it deleted them, "." and all); a shard DCP cannot read
+    (past --no-checksum) is one line of error and exit 1 (a 60-line traceback)."""
+    sizes = {}
+    for text in ("5IB", "0", "0.5", "2GiB", "500MB"):
+        try:
+            sizes[text] = consolidate.parse_size(text)
+        except argparse.ArgumentTypeError as e:
+            sizes[text] = str(e)
+    src = ckpt.step_dir(trained / "ckpt", STEPS)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    other = consolidate.main([str(src), str(mine), "--overwrite", "--quiet"])
+    other_err = capsys.readouterr().err.strip()
+    def unreadable(*a, **k):
+        raise dcp.CheckpointException("injected", {0: (ValueError("bad item"), None)})
+    monkeypatch.setattr(consolidate.dcp, "load", unreadable)
+    damaged = consolidate.main([str(src), str(tmp_path / "out"), "--no-checksum", "--quiet"])
+    damaged_err = capsys.readouterr().err.strip()
+    print(f"\n{sizes}\nother files: {other} {other_err}\nunreadable: {damaged} {damaged_err}")
+    assert all("not a size" in str(sizes[t]) for t in ("5IB", "0", "0.5"))
+    assert sizes["2GiB"] == 2 * 2**30 and sizes["500MB"] == 500 * 10**6
+    assert other == 1 and "is not an export of this script" in other_err and (mine / "notes.txt").exists()
+    assert damaged == 1 and "cannot be read" in damaged_err and len(damaged_err.splitlines()) == 1
+    assert not os.path.exists(tmp_path / "out")
