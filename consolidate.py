@@ -65,11 +65,10 @@ def parse_size(text):
 def find(path):
     """Step 1: the checkpoint directory at or under path."""
     path = os.path.abspath(path)
-    if not os.path.exists(path):  # a file: ckpt refuses it
-        raise ConsolidateError(f"{path} does not exist: give a checkpoint directory (step-NNNNNNNN) or a root")
-    found = ckpt.find_checkpoint(path)  # refuses a .tmp- directory: an uncommitted save's files may be partial
+    found = ckpt.find_checkpoint(path)  # refuses a file, and a .tmp- directory: an uncommitted save's files
     if found is None:
-        raise ConsolidateError(f"no committed checkpoint (step-NNNNNNNN with {ckpt.MANIFEST}) under {path}")
+        where = "under" if os.path.exists(path) else "at: it does not exist,"
+        raise ConsolidateError(f"no committed checkpoint (step-NNNNNNNN with {ckpt.MANIFEST}) {where} {path}")
     return found
 
 def batches(entries, limit, size):
@@ -153,6 +152,8 @@ def consolidate(path, out, dtype="fp32", max_shard_size=5 * 10**9, overwrite=Fal
                 prefix="model."):
     """Write the checkpoint's model to out: {"checkpoint", "files", "tensors", "bytes", "seconds"}. Raises
     ConsolidateError, ckpt.CheckpointError or OSError naming the bad path, with nothing written at out."""
+    if sys.byteorder != "little":  # an s390x, say
+        raise ConsolidateError("safetensors stores little-endian bytes: run this on a little-endian machine")
     start, out = time.monotonic(), os.path.abspath(out)
     if os.path.lexists(out) and not overwrite:
         raise ConsolidateError(f"{out} already exists: pass --overwrite to replace it")
@@ -216,8 +217,7 @@ def write_json(path, obj):
         os.fsync(f.fileno())
 
 def commit(tmp, out, overwrite):
-    """Rename the complete tmp to out. An old out is renamed aside first and deleted last: a crash in between
-    leaves it whole at .<out>.old-<id>, never a mix of old and new files at out."""
+    """tmp to out; an old out goes aside first, deleted last: a crash leaves it whole at .<out>.old-<id>."""
     old = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.old-{uuid.uuid4().hex[:8]}")
     if overwrite and os.path.lexists(out):
         os.rename(out, old)
