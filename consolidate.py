@@ -67,8 +67,8 @@ def find(path):
     path = os.path.abspath(path)
     found = ckpt.find_checkpoint(path)  # refuses a file, and a .tmp- directory: an uncommitted save's files
     if found is None:
-        where = "under" if os.path.exists(path) else "at: it does not exist,"
-        raise ConsolidateError(f"no committed checkpoint (step-NNNNNNNN with {ckpt.MANIFEST}) {where} {path}")
+        where = f"under {path}" if os.path.exists(path) else f"at {path}, which does not exist"
+        raise ConsolidateError(f"no committed checkpoint (step-NNNNNNNN with {ckpt.MANIFEST}) {where}")
     return found
 
 def batches(entries, limit, size):

@@ -266,7 +266,7 @@ def train(args, device, rank, world):
     if step == 0 and args.init_from:
         init_from(model, args.init_from, rank)
         say(f"initialized weights from {args.init_from}")
-    last = min(args.steps, args.steps if args.stop_after is None else args.stop_after)  # this process's last step
+    last = args.steps if args.stop_after is None else min(args.steps, args.stop_after)  # this process's last step
     data, done, first = position.batches(loader), step >= last, step + 1
     while not done:
         t0 = time.time()
